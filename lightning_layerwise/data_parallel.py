@@ -1,0 +1,427 @@
+"""The bucketed data-parallel wrapper: reduce-scatter gradients, all-gather parameters.
+
+:class:`LayerwiseDataParallel` knows nothing of Lightning. One optimizer step,
+driven by its owner (the Lightning strategy, Fabric, or a plain loop)::
+
+    out = wrapper(batch)             # pre-hooks wait for each bucket's all-gather
+    out.loss.backward()              # hooks add grads into the grad buffer and
+                                     # dispatch a bucket's reduce-scatter when complete
+    wrapper.finish_grad_sync()       # wait; owned params get .grad, others None
+    optimizer.step()                 # any torch optimizer: steps only owned params
+    wrapper.start_param_sync()       # async all-gather from each rank's shard
+
+Note [bucket order]
+    Collectives on one group must be issued in the same order on every rank.
+    Bucket readiness can differ between ranks (an unused parameter, a data-
+    dependent branch), so the wrapper never dispatches a bucket out of turn: it
+    keeps one fixed reduce-scatter sequence and one fixed all-gather sequence and
+    dispatches a bucket only after every bucket before it in that sequence. The
+    all-gather sequence is forward order (buckets sorted by the first registered
+    parameter they hold), the reduce-scatter sequence its reverse.
+
+Note [gradient lifecycle]
+    The grad buffer is zeroed lazily by the first forward with grad enabled
+    after a step's gradients were handed out (or explicitly by
+    :meth:`LayerwiseDataParallel.zero_grad_buffer`), so every optimizer step sees
+    exactly the gradients of the micro-batches since the previous step.
+    Parameters' own ``.grad`` is always ``None`` during backward: the
+    post-accumulate-grad hook moves each gradient into the buffer and drops it,
+    so autograd never accumulates into a view of the reduced shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import collectives
+from .buffers import FlatBuffer, allocate_buffers, view_of
+from .collectives import Collective
+from .layout import DEFAULT_BUCKET_SIZE, Layout, ParamSpec, newton_schulz_cost, param_specs, plan_layout
+from .process_groups import ProcessGroups
+
+
+class BucketState(enum.Enum):
+    """Where a bucket is in one optimizer step."""
+
+    ACCUMULATING = "accumulating"  # gradients of this step are being added
+    REDUCING = "reducing"  # reduce-scatter dispatched, not waited
+    REDUCED = "reduced"  # this rank's shard holds the averaged gradient
+    GATHERING = "gathering"  # all-gather dispatched, not waited
+    SYNCED = "synced"  # every rank holds the bucket's current parameters
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Run-time state of one planned bucket."""
+
+    buffer: int
+    index: int
+    params: list[nn.Parameter]
+    param_data: torch.Tensor
+    grad_data: torch.Tensor
+    first_param: int
+    """Registration index of the earliest parameter in the bucket (forward order key)."""
+    state: BucketState = BucketState.SYNCED
+    grads_state: BucketState = BucketState.ACCUMULATING
+    ready: set[int] = field(default_factory=set)
+    reduce: Collective | None = None
+    gather: Collective | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.buffer}.{self.index}"
+
+
+class LayerwiseDataParallel(nn.Module):
+    """Data-parallel wrapper with shard-aligned buckets and layer-wise ownership.
+
+    Args:
+        module: the model. Its trainable parameters become views into flat buffers.
+        process_groups: the groups to talk over; default: :meth:`ProcessGroups.create`.
+        bucket_size: bucket length in elements.
+        overlap_grad_reduce: dispatch a bucket's reduce-scatter during backward as
+            soon as its gradients are complete (otherwise all at :meth:`finish_grad_sync`).
+        overlap_param_gather: all-gather parameters asynchronously and wait per bucket
+            in forward pre-hooks (otherwise :meth:`start_param_sync` blocks).
+        prefetch_depth: how many buckets' all-gathers may be in flight at once.
+        grad_reduce_dtype: dtype of the gradient buffers and of the reduce-scatter
+            (default: the parameter dtype). ``torch.float32`` keeps bf16 gradients exact.
+        broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from
+            rank 0 at every training forward, as ``DistributedDataParallel`` does.
+        cost: optimizer cost per parameter used to balance owners.
+        trace: record collective events in :attr:`events` (for tests and debugging).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_groups: ProcessGroups | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        prefetch_depth: int = 2,
+        grad_reduce_dtype: torch.dtype | None = None,
+        broadcast_buffers: bool = True,
+        cost: Callable[[ParamSpec], float] = newton_schulz_cost,
+        trace: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, "
+                             f"e.g. {DEFAULT_BUCKET_SIZE}.")
+        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an integer >= 1 "
+                             "(1 overlaps one bucket's all-gather with the module before it).")
+        self.module = module
+        self.process_groups = process_groups if process_groups is not None else ProcessGroups.create()
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.prefetch_depth = prefetch_depth
+        self.broadcast_buffers = broadcast_buffers
+        self.events: list[tuple[str, str]] | None = [] if trace else None
+        self.dp_size = self.process_groups.dp_size
+        self.dp_rank = self.process_groups.dp_rank
+
+        specs = param_specs(module)
+        if not specs:
+            raise ValueError(
+                f"{type(module).__name__} has no trainable parameter (none with requires_grad=True); "
+                "there is nothing to train data-parallel. Unfreeze a parameter or do not wrap the module."
+            )
+        _check_same_module_on_all_ranks(module, self.process_groups.dp)
+        self.layout: Layout = plan_layout(specs, self.dp_size, bucket_size, cost)
+
+        named = dict(module.named_parameters())
+        self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
+        self._buffers: list[FlatBuffer] = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs},
+                                                           grad_reduce_dtype)
+        order = {s.name: i for i, s in enumerate(specs)}
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        for b_index, plan in enumerate(self.layout.buffers):
+            flat = self._buffers[b_index]
+            for bp in plan.buckets:
+                params = [named[n] for n in bp.params]
+                bucket = Bucket(b_index, bp.index, params, flat.params[bp.start:bp.end], flat.grads[bp.start:bp.end],
+                                first_param=min(order[n] for n in bp.params))
+                self._buckets.append(bucket)
+                for p in params:
+                    self._bucket_of[p] = bucket
+        self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
+        self._reduce_order = list(reversed(self._gather_order))
+        self._owned = {p for p, name in self._param_names.items() if self.layout.params[name].owner == self.dp_rank}
+
+        self._micro_batch_is_last = True
+        self._grads_handed_out = False
+        self._seen: set[nn.Parameter] = set()  # parameters whose gradient arrived this step
+        self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
+        self._next_gather = len(self._gather_order)  # nothing to gather until start_param_sync
+        self._in_flight: list[Bucket] = []
+
+        self._broadcast_from_rank0()
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_names]
+        self._hook_handles += self._register_forward_pre_hooks()
+
+    # --- public queries -------------------------------------------------------------
+    def owns(self, param: nn.Parameter) -> bool:
+        """True if this rank steps ``param`` (its whole gradient lands in this rank's shard)."""
+        return param in self._owned
+
+    def owned_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for p in self._param_names if p in self._owned)
+
+    def named_owned_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return ((n, p) for p, n in self._param_names.items() if p in self._owned)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return list(self._buckets)
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled() and self.module.training:
+            if self._grads_handed_out:
+                self.zero_grad_buffer()
+            if self.broadcast_buffers:
+                self._broadcast_module_buffers()
+        return self.module(*args, **kwargs)
+
+    # --- gradients -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the next one outside reduces the sum."""
+        previous = self._micro_batch_is_last
+        self._micro_batch_is_last = False
+        try:
+            yield
+        finally:
+            self._micro_batch_is_last = previous
+
+    def zero_grad_buffer(self) -> None:
+        """Zeros every gradient buffer and drops the gradients handed out by the last sync."""
+        for p in self._param_names:
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+        for flat in self._buffers:
+            flat.grads.zero_()
+        for b in self._buckets:
+            b.ready.clear()
+            b.grads_state = BucketState.ACCUMULATING
+            b.reduce = None
+        self._next_reduce = 0
+        self._grads_handed_out = False
+        self._seen.clear()
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        bucket = self._bucket_of[param]
+        if self._grads_handed_out:
+            raise RuntimeError(
+                "backward ran after finish_grad_sync() without a forward through the wrapper in between; "
+                "call zero_grad_buffer() (or run the forward through the wrapper) before the next backward."
+            )
+        if bucket.grads_state is not BucketState.ACCUMULATING:
+            name = self._param_names[param]
+            raise RuntimeError(
+                f"a gradient for {name!r} arrived after its bucket was reduced in this step. Run one backward "
+                "per optimizer step, or wrap all but the last micro-batch's backward in no_sync()."
+            )
+        grad = param.grad
+        self._seen.add(param)
+        slot = self.layout.params[self._param_names[param]]
+        view_of(self._buffers[slot.buffer].grads, slot).add_(grad)
+        param.grad = None
+        if not self._micro_batch_is_last:
+            return
+        bucket.ready.add(id(param))
+        if self.overlap_grad_reduce and len(bucket.ready) == len(bucket.params):
+            self._dispatch_ready_reduces()
+
+    def _dispatch_ready_reduces(self, force: bool = False) -> None:
+        """Dispatches reduce-scatters in the fixed order, up to the first bucket not yet complete."""
+        while self._next_reduce < len(self._reduce_order):
+            bucket = self._reduce_order[self._next_reduce]
+            if not force and len(bucket.ready) < len(bucket.params):
+                return
+            self._dispatch_reduce(bucket)
+            self._next_reduce += 1
+
+    def _dispatch_reduce(self, bucket: Bucket) -> None:
+        group = self.process_groups.dp
+        if group is not None:
+            bucket.grad_data.div_(self.dp_size)
+        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, group, async_op=True)
+        bucket.grads_state = BucketState.REDUCING
+        self._trace("rs_dispatch", bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Waits for every reduce-scatter, then hands owned parameters their reduced gradient.
+
+        Buckets never completed during backward (unused parameters, no overlap)
+        are dispatched first, in order. Afterwards each owned parameter's
+        ``.grad`` (and ``.main_grad``, the buffer-dtype view) is a view of the
+        reduced shard; every other parameter's ``.grad`` is ``None``.
+        """
+        self.finish_param_sync()
+        self._dispatch_ready_reduces(force=True)
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                bucket.reduce.wait()
+                bucket.reduce = None
+                self._trace("rs_wait", bucket)
+            bucket.grads_state = BucketState.REDUCED
+        for param, name in self._param_names.items():
+            if param in self._owned:
+                slot = self.layout.params[name]
+                main_grad = view_of(self._buffers[slot.buffer].grads, slot)
+                if param not in self._seen and not main_grad.any():
+                    # Unused on every rank: no gradient, as without the wrapper (an optimizer
+                    # must not decay or add momentum to a parameter the loss never touched).
+                    param.grad = None
+                    continue
+                param.main_grad = main_grad
+                param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+            else:
+                param.grad = None
+        self._grads_handed_out = True
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Sum of squares of the full reduced gradient, from owned shards (one all-reduce).
+
+        Valid after :meth:`finish_grad_sync`. The shards hold exactly the owned
+        parameters' gradients plus zero padding, so no per-parameter loop is needed.
+        """
+        device = self._buffers[0].grads.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for bucket in self._buckets:
+            shard = bucket.grad_data.chunk(self.dp_size)[self.dp_rank]
+            total += shard.float().square().sum()
+        return collectives.all_reduce_sum(total, self.process_groups.dp)
+
+    # --- parameters ----------------------------------------------------------------
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """Starts all-gathering every bucket from each rank's shard of the param buffer.
+
+        With ``overlap_param_gather`` the first ``prefetch_depth`` buckets are
+        dispatched now and the rest by forward pre-hooks; with ``force_sync``
+        (or without overlap) everything is gathered before returning.
+        """
+        self.finish_param_sync()  # a previous gather must land before a new one reads the shards
+        if self.process_groups.dp_all_gather is None:
+            return
+        for bucket in self._buckets:
+            bucket.state = BucketState.GATHERING
+            bucket.gather = None
+        self._next_gather = 0
+        if force_sync or not self.overlap_param_gather:
+            self.finish_param_sync()
+        else:
+            self._top_up_gathers()
+
+    def finish_param_sync(self) -> None:
+        """Dispatches and waits for every outstanding all-gather (before eval, checkpoints, a step)."""
+        while self._in_flight or self._next_gather < len(self._gather_order):
+            if self._in_flight and (len(self._in_flight) >= self.prefetch_depth
+                                    or self._next_gather >= len(self._gather_order)):
+                self._wait_oldest_gather()
+            else:
+                self._dispatch_next_gather()
+
+    def _dispatch_next_gather(self) -> None:
+        bucket = self._gather_order[self._next_gather]
+        self._next_gather += 1
+        bucket.gather = collectives.all_gather_bucket(bucket.param_data, self.process_groups.dp_all_gather,
+                                                      async_op=True)
+        self._in_flight.append(bucket)
+        self._trace("ag_dispatch", bucket)
+
+    def _wait_oldest_gather(self) -> None:
+        bucket = self._in_flight.pop(0)
+        bucket.gather.wait()
+        bucket.gather = None
+        bucket.state = BucketState.SYNCED
+        self._trace("ag_wait", bucket)
+
+    def _top_up_gathers(self) -> None:
+        while len(self._in_flight) < self.prefetch_depth and self._next_gather < len(self._gather_order):
+            self._dispatch_next_gather()
+
+    def _ensure_gathered(self, bucket: Bucket) -> None:
+        """Waits until ``bucket`` is synced, dispatching and waiting earlier buckets in order."""
+        while bucket.state is not BucketState.SYNCED:
+            if bucket.gather is None and len(self._in_flight) < self.prefetch_depth:
+                self._dispatch_next_gather()
+            else:
+                self._wait_oldest_gather()
+        self._top_up_gathers()
+
+    def _register_forward_pre_hooks(self) -> list:
+        handles = []
+        for module in self.module.modules():
+            buckets = []
+            for p in module.parameters(recurse=False):
+                b = self._bucket_of.get(p)
+                if b is not None and b not in buckets:
+                    buckets.append(b)
+            if not buckets:
+                continue
+            buckets.sort(key=self._gather_order.index)
+
+            def hook(_module, _args, buckets=buckets):
+                if self._next_gather < len(self._gather_order) or self._in_flight:
+                    for b in buckets:
+                        self._ensure_gathered(b)
+
+            handles.append(module.register_forward_pre_hook(hook))
+        return handles
+
+    # --- set-up --------------------------------------------------------------------
+    def _broadcast_from_rank0(self) -> None:
+        group = self.process_groups.dp
+        if group is None:
+            return
+        tensors = [flat.params for flat in self._buffers]
+        tensors += [p.data for p in self.module.parameters() if p not in self._param_names]
+        tensors += [b for b in self.module.buffers()]
+        with torch.no_grad():
+            collectives.broadcast_tensors(tensors, group)
+
+    def _broadcast_module_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if buffers and self.process_groups.dp is not None:
+            with torch.no_grad():
+                collectives.broadcast_tensors(buffers, self.process_groups.dp)
+
+    def _trace(self, event: str, bucket: Bucket) -> None:
+        if self.events is not None:
+            self.events.append((event, bucket.name))
+
+    def remove_hooks(self) -> None:
+        """Removes every hook this wrapper installed (the parameters stay views into the buffers)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+
+def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:
+    """Raises on every rank if the trainable parameters differ in name, shape or dtype across ranks."""
+    if group is None:
+        return
+    mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for rank, theirs in enumerate(gathered):
+        if theirs != mine:
+            diff = next(((a, b) for a, b in zip(mine, theirs) if a != b), None)
+            detail = (f"first difference: this rank has {diff[0]}, rank {rank} has {diff[1]}" if diff
+                      else f"this rank has {len(mine)} parameters, rank {rank} has {len(theirs)}")
+            raise ValueError(
+                "the module's parameters differ across ranks (name, shape, dtype or requires_grad); "
+                f"{detail}. Build the same model on every rank (same config and seed) before wrapping it."
+            )

@@ -1,0 +1,489 @@
+"""The layout planner: which parameter goes where, decided once, without a process group.
+
+A *layout* assigns every trainable parameter a buffer, a bucket, an offset and an
+owner rank. Everything the data-parallel wrapper does at run time (views into
+the param buffer, reduce-scatter into shards, all-gather from shards, which rank
+steps which parameter) follows from it. The planner is pure: it sees only
+:class:`ParamSpec` records (name, shape, dtype, dense or expert), so it is tested
+exhaustively without torch.distributed.
+
+Note [shard alignment]
+    A bucket of length ``L`` is split into ``dp`` shards of ``L / dp`` elements;
+    rank ``r`` reduces into and gathers from shard ``r``. Layer-wise optimizers
+    such as Muon need a *whole* matrix on one rank, so no parameter may cross a
+    shard boundary: each parameter lies inside exactly one shard, and that
+    shard's rank is its *owner*. Every parameter starts on a 64-element boundary
+    (:data:`ALIGNMENT`) so views into the buffer stay aligned for vectorized
+    kernels and NCCL.
+
+Note [size matching]
+    Shards of one bucket must have equal length, so the planner fills all ``dp``
+    shards in lock-step *rounds*. A round starts with the next parameter in
+    backward order (the *seed*); its length is the seed's aligned size. The
+    other ``dp - 1`` shards of the round take parameters of the same size
+    (*peers*), nearest in backward order first; a stack of identical
+    transformer blocks therefore packs with zero padding when ``dp`` divides
+    the number of blocks. A shard that finds no peer is filled greedily with
+    smaller parameters that fit (next in backward order first), and only what
+    is left is padding.
+
+Note [tail gaps]
+    Greedy filling only draws on parameters *after* the seed in backward
+    order, so a large parameter without peers near the end of backward (the
+    token embedding, typically) would leave ``dp - 1`` empty shards. Such a
+    seed becomes *solo*: its round is formed first, filled from the *tail* of
+    the queue (the parameters nearest to it in backward order), and placed
+    last, so the tail's gradients and the seed's complete together. The planner
+    keeps a solo seed only if total padding drops.
+
+Note [owner balancing]
+    Inside a round all shards have the same length, so which rank gets which
+    shard's contents is free. The planner gives the most expensive contents to
+    the rank with the least accumulated optimizer cost (longest-processing-time
+    greedy). The default cost is Newton–Schulz's, about ``min(m, n)^2 * max(m, n)``
+    for an ``m x n`` matrix, and the element count for everything else.
+
+Note [backward order]
+    Gradients become ready in roughly reverse registration order, so buffers
+    are filled from the last registered parameter to the first and buckets are
+    numbered in that order: bucket 0 completes first in backward and its
+    reduce-scatter can start while the rest of backward runs. Forward needs the
+    buckets in the opposite order (highest index first), which is the order
+    in which all-gathers are dispatched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Iterable, Literal, Mapping, Sequence
+
+import torch
+
+ALIGNMENT = 64
+"""Every parameter starts on a multiple of this many elements inside its buffer."""
+
+DEFAULT_BUCKET_SIZE = 40_000_000
+"""Default bucket length in elements (about 160 MB of fp32 gradients)."""
+
+Kind = Literal["dense", "expert"]
+
+
+def aligned(numel: int, alignment: int = ALIGNMENT) -> int:
+    """Rounds ``numel`` up to a multiple of ``alignment``."""
+    return -(-numel // alignment) * alignment
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner needs to know about one trainable parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    kind: Kind = "dense"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def newton_schulz_cost(spec: ParamSpec) -> float:
+    """Approximate optimizer work for one parameter.
+
+    A matrix (or a higher-dim kernel viewed as ``out x rest``) is orthogonalized
+    by Newton–Schulz, whose matmuls cost about ``min(m, n)^2 * max(m, n)``; any
+    other parameter is updated element-wise.
+    """
+    if len(spec.shape) >= 2:
+        m = spec.shape[0]
+        n = spec.numel // max(m, 1)
+        return float(min(m, n) ** 2 * max(m, n))
+    return float(spec.numel)
+
+
+def numel_cost(spec: ParamSpec) -> float:
+    """Element-wise optimizer work (AdamW, SGD): the element count."""
+    return float(spec.numel)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives: its buffer, bucket, offset and owner."""
+
+    name: str
+    shape: tuple[int, ...]
+    buffer: int
+    bucket: int
+    offset: int
+    """First element of the parameter inside its buffer."""
+    owner: int
+    """Rank whose shard holds the whole parameter."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """A contiguous range of a buffer communicated as one collective."""
+
+    index: int
+    """Index inside its buffer, in backward order."""
+    start: int
+    end: int
+    dp: int
+    params: tuple[str, ...]
+    """Names of the parameters in this bucket, by offset."""
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def shard_size(self) -> int:
+        return self.numel // self.dp
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Buffer range ``[start, end)`` of rank ``rank``'s shard."""
+        begin = self.start + rank * self.shard_size
+        return begin, begin + self.shard_size
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """One contiguous tensor of parameters of one dtype and one kind."""
+
+    index: int
+    dtype: torch.dtype
+    kind: Kind
+    numel: int
+    buckets: tuple[BucketPlan, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The immutable plan for a set of parameters at a data-parallel size ``dp``."""
+
+    dp: int
+    bucket_size: int
+    buffers: tuple[BufferPlan, ...]
+    params: Mapping[str, ParamSlot]
+    costs: Mapping[str, float] = field(repr=False)
+
+    # --- queries -------------------------------------------------------------------
+    def slot(self, name: str) -> ParamSlot:
+        return self.params[name]
+
+    def owned_by(self, rank: int) -> tuple[str, ...]:
+        """Names of the parameters rank ``rank`` owns, in layout order."""
+        return tuple(n for n, s in self.params.items() if s.owner == rank)
+
+    @property
+    def total_numel(self) -> int:
+        """Elements in all buffers, padding included."""
+        return sum(b.numel for b in self.buffers)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(s.numel for s in self.params.values())
+
+    @property
+    def padding_fraction(self) -> float:
+        """Share of buffer elements that hold no parameter (alignment included)."""
+        total = self.total_numel
+        return 0.0 if total == 0 else 1.0 - self.param_numel / total
+
+    def rank_costs(self) -> list[float]:
+        """Optimizer cost each rank carries, by the cost function the plan used."""
+        costs = [0.0] * self.dp
+        for name, slot in self.params.items():
+            costs[slot.owner] += self.costs[name]
+        return costs
+
+    def rank_numels(self) -> list[int]:
+        """Parameter elements each rank owns (its share of optimizer state)."""
+        numels = [0] * self.dp
+        for slot in self.params.values():
+            numels[slot.owner] += slot.numel
+        return numels
+
+    @property
+    def imbalance(self) -> float:
+        """Max rank cost over mean rank cost (1.0 is perfect balance)."""
+        costs = self.rank_costs()
+        mean = sum(costs) / len(costs)
+        return 1.0 if mean == 0 else max(costs) / mean
+
+    def summary(self) -> str:
+        """A human-readable report: buffers, buckets, padding and per-rank cost."""
+        lines = [
+            f"layout: dp={self.dp} bucket_size={self.bucket_size:,} params={len(self.params)} "
+            f"elements={self.param_numel:,} buffer elements={self.total_numel:,} "
+            f"padding={100 * self.padding_fraction:.2f}%"
+        ]
+        for buf in self.buffers:
+            lines.append(f"  buffer {buf.index}: {buf.kind} {str(buf.dtype).removeprefix('torch.')} "
+                         f"{buf.numel:,} elements, {len(buf.buckets)} buckets")
+            for b in buf.buckets:
+                used = sum(self.params[n].numel for n in b.params)
+                lines.append(f"    bucket {b.index}: [{b.start:,}, {b.end:,}) shard={b.shard_size:,} "
+                             f"params={len(b.params)} padding={100 * (1 - used / max(b.numel, 1)):.2f}%")
+        costs, numels = self.rank_costs(), self.rank_numels()
+        total = sum(costs) or 1.0
+        lines.append(f"  owner balance (max/mean cost): {self.imbalance:.3f}")
+        for r in range(self.dp):
+            lines.append(f"    rank {r}: params={len(self.owned_by(r))} elements={numels[r]:,} "
+                         f"cost share={100 * costs[r] / total:.2f}%")
+        return "\n".join(lines)
+
+
+def _validate(specs: Sequence[ParamSpec], dp: int, bucket_size: int) -> None:
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r} is not a valid data-parallel size; pass an integer >= 1.")
+    if not isinstance(bucket_size, int) or bucket_size <= 0:
+        raise ValueError(
+            f"bucket_size={bucket_size!r} must be a positive number of elements; "
+            f"pass e.g. bucket_size={DEFAULT_BUCKET_SIZE}."
+        )
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise ValueError(
+                f"parameter {spec.name!r} appears twice; pass each tensor once "
+                "(module.named_parameters() already skips tied duplicates)."
+            )
+        seen.add(spec.name)
+        if spec.numel == 0:
+            raise ValueError(f"parameter {spec.name!r} has no elements (shape {spec.shape}); remove it "
+                             "or set requires_grad=False.")
+        if spec.kind not in ("dense", "expert"):
+            raise ValueError(f"parameter {spec.name!r} has kind={spec.kind!r}; use 'dense' or 'expert'.")
+
+
+def plan_layout(
+    specs: Iterable[ParamSpec],
+    dp: int,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+    cost: Callable[[ParamSpec], float] = newton_schulz_cost,
+) -> Layout:
+    """Plans buffers, buckets, shards and owners for ``specs`` given in registration order.
+
+    See the notes in this module's docstring for the guarantees.
+    """
+    specs = list(specs)
+    _validate(specs, dp, bucket_size)
+    costs = {s.name: float(cost(s)) for s in specs}
+
+    # One buffer per (dtype, kind), in order of first appearance.
+    groups: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
+    for spec in specs:
+        groups.setdefault((spec.dtype, spec.kind), []).append(spec)
+
+    buffers: list[BufferPlan] = []
+    slots: dict[str, ParamSlot] = {}
+    for buffer_index, ((dtype, kind), members) in enumerate(groups.items()):
+        buckets, placed = _plan_buffer(list(reversed(members)), dp, bucket_size, costs)
+        by_name = {s.name: s for s in members}
+        for name, (bucket_index, offset, owner) in placed.items():
+            slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, owner)
+        numel = buckets[-1].end if buckets else 0
+        buffers.append(BufferPlan(buffer_index, dtype, kind, numel, tuple(buckets)))
+
+    ordered = {s.name: slots[s.name] for s in specs}
+    return Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
+
+
+def _plan_buffer(
+    queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float]
+) -> tuple[list[BucketPlan], dict[str, tuple[int, int, int]]]:
+    """Packs one buffer; ``queue`` is in backward order. See Note [tail gaps].
+
+    Returns the buckets and, per parameter name, (bucket, offset, owner).
+    """
+    position = {s.name: i for i, s in enumerate(queue)}
+    solo: tuple[str, ...] = ()
+    best = _pack(queue, dp, bucket_size, costs, solo, len(queue))
+    for _ in range(_MAX_SOLO_SEEDS):
+        # Only seeds inside the last bucket, after its first parameter, may move to the tail.
+        tail_start = min(position[n] for n in best.buckets[-1].params)
+        seed, gap = max(((n, g) for n, g in best.gaps.items() if n not in solo and position[n] > tail_start
+                         and best.placed[n][0] == len(best.buckets) - 1),
+                        key=lambda kv: kv[1], default=(None, 0))
+        if seed is None or gap == 0:
+            break
+        candidate = _pack(queue, dp, bucket_size, costs, solo + (seed,), tail_start)
+        if candidate.padding >= best.padding:
+            break
+        best, solo = candidate, solo + (seed,)
+    return best.buckets, best.placed
+
+
+_MAX_SOLO_SEEDS = 8
+
+
+@dataclass
+class _Packing:
+    buckets: list[BucketPlan]
+    placed: dict[str, tuple[int, int, int]]
+    gaps: dict[str, int]
+    """Padding each round leaves, keyed by the round's seed."""
+
+    @property
+    def padding(self) -> int:
+        return sum(self.gaps.values())
+
+
+def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+          solo: tuple[str, ...], tail_start: int) -> _Packing:
+    """One packing pass over ``queue``.
+
+    ``solo`` seeds get rounds filled from the tail of the queue, never from
+    before position ``tail_start``.
+    """
+    position = {s.name: i for i, s in enumerate(queue)}
+    pending: dict[str, ParamSpec] = {s.name: s for s in queue}  # insertion order = backward order
+    by_size: dict[int, list[str]] = defaultdict(list)
+    for s in queue:
+        by_size[aligned(s.numel)].append(s.name)
+
+    rank_cost = [0.0] * dp
+    placed: dict[str, tuple[int, int, int]] = {}
+    gaps: dict[str, int] = {}
+    buckets: list[BucketPlan] = []
+    bucket_start = 0  # buffer offset of the open bucket
+    shard_fill = 0  # elements used in each shard of the open bucket (equal across shards)
+    open_rounds: list[tuple[int, list[list[ParamSpec]]]] = []  # (round length, contents per rank)
+
+    def take(name: str) -> ParamSpec:
+        spec = pending.pop(name)
+        by_size[aligned(spec.numel)].remove(name)
+        return spec
+
+    def close_bucket() -> None:
+        nonlocal bucket_start, shard_fill, open_rounds
+        if not open_rounds:
+            return
+        index = len(buckets)
+        shard_size = shard_fill
+        cursor = [0] * dp  # offset inside each rank's shard
+        names: list[tuple[int, str]] = []
+        for length, contents in open_rounds:
+            for rank, members in enumerate(contents):
+                offset = bucket_start + rank * shard_size + cursor[rank]
+                for spec in members:
+                    placed[spec.name] = (index, offset, rank)
+                    names.append((offset, spec.name))
+                    offset += aligned(spec.numel)
+                cursor[rank] += length
+        end = bucket_start + dp * shard_size
+        buckets.append(BucketPlan(index, bucket_start, end, dp, tuple(n for _, n in sorted(names))))
+        bucket_start, shard_fill, open_rounds = end, 0, []
+
+    def fill(seed: ParamSpec, contents: list[list[ParamSpec]], candidates) -> None:
+        """Packs the round's shards that have no peer with parameters that fit, in ``candidates`` order."""
+        length, gap = aligned(seed.numel), 0
+        while len(contents) < dp:
+            room, members = length, []
+            for name in list(candidates()):
+                need = aligned(pending[name].numel)
+                if need <= room:
+                    members.append(take(name))
+                    room -= need
+                    if room < ALIGNMENT:
+                        break
+            gap += room
+            contents.append(members)
+        gaps[seed.name] = gap
+
+    # Solo seeds first: their rounds take the tail of the queue, where they will sit.
+    tail_rounds = []
+    for name in solo:
+        if name not in pending:  # already packed into an earlier solo round
+            continue
+        seed = take(name)
+        contents = [[seed]]
+        fill(seed, contents, lambda: (n for n in reversed(pending) if position[n] > tail_start))
+        tail_rounds.append(contents)
+
+    def rounds():
+        while pending:
+            seed = take(next(iter(pending)))
+            contents = [[seed]]
+            for name in list(by_size[aligned(seed.numel)][: dp - 1]):
+                contents.append([take(name)])
+            # Shards without a peer: pack smaller parameters greedily, in backward order.
+            fill(seed, contents, lambda: iter(pending))
+            yield contents
+        yield from reversed(tail_rounds)
+
+    for contents in rounds():
+        length = aligned(contents[0][0].numel)
+        # A round that alone exceeds the bucket size gets a bucket of its own.
+        if length * dp > bucket_size:
+            close_bucket()
+        # Owner balancing: costliest contents to the least loaded rank.
+        contents.sort(key=lambda ms: -sum(costs[s.name] for s in ms))
+        ranks = sorted(range(dp), key=lambda r: (rank_cost[r], r))
+        assigned: list[list[ParamSpec]] = [[] for _ in range(dp)]
+        for rank, members in zip(ranks, contents):
+            assigned[rank] = members
+            rank_cost[rank] += sum(costs[s.name] for s in members)
+        open_rounds.append((length, assigned))
+        shard_fill += length
+        if shard_fill * dp >= bucket_size:
+            close_bucket()
+    close_bucket()
+    return _Packing(buckets, placed, gaps)
+
+
+def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Parameter], bool] | None = None
+                ) -> list[ParamSpec]:
+    """Specs of ``module``'s trainable parameters in registration order (tied ones once)."""
+    specs = []
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        kind: Kind = "expert" if expert is not None and expert(name, p) else "dense"
+        specs.append(ParamSpec(name, tuple(p.shape), p.dtype, kind))
+    return specs
+
+
+def describe_layout(module: torch.nn.Module, dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                    cost: Callable[[ParamSpec], float] = newton_schulz_cost) -> str:
+    """Plans ``module`` at ``dp`` ranks and returns the layout's summary."""
+    return plan_layout(param_specs(module), dp, bucket_size, cost).summary()
+
+
+def _main(argv: Sequence[str] | None = None) -> None:
+    import argparse
+    import importlib
+
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_layerwise.layout",
+        description="Print the shard-aligned layout (padding, buckets, per-rank cost) of a model.",
+    )
+    parser.add_argument("model", nargs="?", default="examples.gpt:example_gpt",
+                        help="'module:callable' returning an nn.Module when called with no "
+                             "arguments (default: the example GPT; run from the repository root)")
+    parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
+    parser.add_argument("--cost", choices=["newton_schulz", "numel"], default="newton_schulz")
+    args = parser.parse_args(argv)
+    module_name, _, attr = args.model.partition(":")
+    model = getattr(importlib.import_module(module_name), attr)()
+    cost_fn = newton_schulz_cost if args.cost == "newton_schulz" else numel_cost
+    for dp in args.dp:
+        print(describe_layout(model, dp, args.bucket_size, cost_fn))
+        print()
+
+
+if __name__ == "__main__":
+    _main()

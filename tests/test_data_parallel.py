@@ -1,0 +1,452 @@
+"""The wrapper on 1-4 gloo ranks, each result compared with a single-process run of the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _dist import run_distributed
+from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
+from lightning_layerwise import collectives
+
+GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
+
+
+class Net(nn.Module):
+    """Awkward on purpose: tied weights, a layer used twice, a frozen and an unused layer, odd shapes."""
+
+    def __init__(self, vocab: int = 23, d: int = 16, h: int = 33):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.fc1 = nn.Linear(d, h)
+        self.fc2 = nn.Linear(h, h)
+        self.frozen = nn.Linear(h, h)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(5, 7)
+        self.proj = nn.Linear(h, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(self.emb(idx)).relu()
+        h = self.fc2(self.fc2(h).tanh())  # used twice
+        return self.head(self.proj(self.frozen(h).tanh()))
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def batches(steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, 23, (GLOBAL_BATCH,), generator=g)
+        yield idx, (idx * 7 + 3) % 23
+
+
+def local(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    return t.chunk(world)[rank]
+
+
+def loss_fn(model, idx, target):
+    return nn.functional.cross_entropy(model(idx), target)
+
+
+def make_optimizer(name: str, params):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def reference_run(opt_name: str, steps: int) -> dict[str, torch.Tensor]:
+    model = make_model()
+    opt = make_optimizer(opt_name, model.parameters())
+    for idx, target in batches(steps):
+        opt.zero_grad()
+        loss_fn(model, idx, target).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+# --- workers -------------------------------------------------------------------------------
+
+def _grads_worker(rank, world, bucket_size):
+    model = make_model()
+    ref = make_model()
+    idx, target = next(batches(1))
+    loss_fn(ref, idx, target).backward()
+    ddp = LayerwiseDataParallel(model, bucket_size=bucket_size)
+    loss_fn(ddp, local(idx, rank, world), local(target, rank, world)).backward()
+    ddp.finish_grad_sync()
+    owned, errors, none_ok = [], {}, True
+    for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        if not p.requires_grad:
+            continue
+        if ddp.owns(p):
+            owned.append(name)
+            if rp.grad is None:
+                none_ok &= p.grad is None  # unused everywhere: no gradient, as in the reference
+            else:
+                errors[name] = rel_err(p.grad, rp.grad)
+        else:
+            none_ok &= p.grad is None
+    return owned, errors, none_ok
+
+
+def _train_worker(rank, world, opt_name, steps, kwargs):
+    # Different init per rank: the wrapper must broadcast rank 0's, which was seeded like the reference.
+    model = make_model(seed=rank)
+    ddp = LayerwiseDataParallel(model, **kwargs)
+    opt = make_optimizer(opt_name, model.parameters())
+    for idx, target in batches(steps):
+        opt.zero_grad()
+        loss_fn(ddp, local(idx, rank, world), local(target, rank, world)).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        ddp.start_param_sync()
+    ddp.finish_param_sync()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    padding_zero = all(_padding_is_zero(ddp, which) for which in ("params", "grads"))
+    state_elems = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    return params, padding_zero, state_elems
+
+
+def _padding_is_zero(ddp: LayerwiseDataParallel, which: str) -> bool:
+    for plan, flat in zip(ddp.layout.buffers, ddp._buffers):
+        mask = torch.ones(plan.numel, dtype=torch.bool)
+        for bucket in plan.buckets:
+            for name in bucket.params:
+                slot = ddp.layout.params[name]
+                mask[slot.offset:slot.end] = False
+        tensor = getattr(flat, which)
+        if which == "grads":  # only this rank's shards are meaningful after a reduce-scatter
+            shard_mask = torch.zeros_like(mask)
+            for bucket in plan.buckets:
+                lo, hi = bucket.shard_range(ddp.dp_rank)
+                shard_mask[lo:hi] = True
+            mask &= shard_mask
+        if tensor[mask].abs().sum().item() != 0:
+            return False
+    return True
+
+
+# --- tests ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_size", [300, 10**6])
+def test_owned_grads_equal_reference(world, bucket_size):
+    results = run_distributed(_grads_worker, world, bucket_size)
+    owned = [name for names, _, _ in results for name in names]
+    trainable = [n for n, p in make_model().named_parameters() if p.requires_grad]
+    assert sorted(owned) == sorted(trainable), "every trainable parameter has exactly one owner"
+    for _, errors, none_ok in results:
+        assert none_ok, "non-owned (and fully unused) parameters must have .grad None"
+        for name, err in errors.items():
+            assert err <= 1e-6, (name, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_training_equals_single_process(world, opt_name):
+    steps = 10
+    ref = reference_run(opt_name, steps)
+    results = run_distributed(_train_worker, world, opt_name, steps, {"bucket_size": 500, "prefetch_depth": 1})
+    for params, padding_zero, _ in results:
+        assert padding_zero
+        for name, value in params.items():
+            assert rel_err(value, ref[name]) <= 1e-5, (name, rel_err(value, ref[name]))
+    # every rank holds the same parameters, bit for bit
+    for params, _, _ in results[1:]:
+        for name, value in params.items():
+            assert torch.equal(value, results[0][0][name])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"overlap_grad_reduce": False, "overlap_param_gather": False, "bucket_size": 10**6},
+    {"bucket_size": 200, "prefetch_depth": 3, "process_groups": "shared"},
+])
+def test_training_variants_equal_single_process(kwargs):
+    world, steps = 3, 6
+    ref = reference_run("adamw", steps)
+    results = run_distributed(_variant_worker, world, steps, kwargs)
+    for params, padding_zero, _ in results:
+        assert padding_zero
+        for name, value in params.items():
+            assert rel_err(value, ref[name]) <= 1e-5, name
+
+
+def _variant_worker(rank, world, steps, kwargs):
+    kwargs = dict(kwargs)
+    if kwargs.pop("process_groups", None) == "shared":
+        kwargs["process_groups"] = ProcessGroups.create(separate_all_gather=False)
+    return _train_worker(rank, world, "adamw", steps, kwargs)
+
+
+def test_optimizer_state_is_sharded():
+    world = 3
+    ref_model = make_model()
+    ref_opt = make_optimizer("adamw", ref_model.parameters())
+    idx, target = next(batches(1))
+    loss_fn(ref_model, idx, target).backward()
+    ref_opt.step()
+    ref_elems = sum(t.numel() for s in ref_opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    results = run_distributed(_train_worker, world, "adamw", 1, {"bucket_size": 500})
+    per_rank = [elems for _, _, elems in results]
+    assert sum(per_rank) == ref_elems
+    assert max(per_rank) < ref_elems
+
+
+def _accumulation_worker(rank, world, micro):
+    model = make_model()
+    ddp = LayerwiseDataParallel(model, bucket_size=400, trace=True)
+    idx, target = next(batches(1))
+    idx, target = local(idx, rank, world), local(target, rank, world)
+    parts = list(zip(idx.chunk(micro), target.chunk(micro)))
+    for i, (x, y) in enumerate(parts):
+        ctx = ddp.no_sync() if i < micro - 1 else _null()
+        with ctx:
+            (loss_fn(ddp, x, y) / micro).backward()
+        if i < micro - 1:
+            assert not any(e == "rs_dispatch" for e, _ in ddp.events), "no_sync must skip communication"
+    ddp.finish_grad_sync()
+    n_reduces = sum(1 for e, _ in ddp.events if e == "rs_dispatch")
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # the single-process reference: one backward over the whole global batch
+    ref = make_model()
+    full_idx, full_target = next(batches(1))
+    loss_fn(ref, full_idx, full_target).backward()
+    errors = {n: rel_err(g, dict(ref.named_parameters())[n].grad) for n, g in grads.items()}
+    return n_reduces, len(ddp.buckets), errors
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_sync_accumulation_equals_one_large_batch(world):
+    for n_reduces, n_buckets, errors in run_distributed(_accumulation_worker, world, 2):
+        assert n_reduces == n_buckets, "one reduce-scatter per bucket per optimizer step"
+        assert errors and max(errors.values()) <= 1e-6, errors
+
+
+def _prefetch_worker(rank, world, depth):
+    model = make_model()
+    ddp = LayerwiseDataParallel(model, bucket_size=200, prefetch_depth=depth, trace=True)
+    opt = make_optimizer("sgd", model.parameters())
+    idx, target = next(batches(1))
+    loss_fn(ddp, local(idx, rank, world), local(target, rank, world)).backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    ddp.events.clear()
+    ddp.start_param_sync()
+    loss_fn(ddp, local(idx, rank, world), local(target, rank, world))  # forward waits bucket by bucket
+    forward_events = list(ddp.events)
+    ddp.finish_param_sync()
+    order = [b.name for b in ddp._gather_order]
+    return forward_events, list(ddp.events), order
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_all_gathers_awaited_in_forward_order_with_bounded_prefetch(depth):
+    for forward_events, all_events, order in run_distributed(_prefetch_worker, 2, depth):
+        waits = [b for e, b in all_events if e == "ag_wait"]
+        dispatches = [b for e, b in all_events if e == "ag_dispatch"]
+        assert waits == order and dispatches == order, "bucket by bucket, in forward order"
+        in_flight, peak = 0, 0
+        for e, _ in all_events:
+            in_flight += 1 if e == "ag_dispatch" else -1 if e == "ag_wait" else 0
+            peak = max(peak, in_flight)
+        assert peak == min(depth, len(order))
+        # the forward itself waited (not a blocking sync before it): it saw waits interleaved with dispatches
+        assert any(e == "ag_wait" for e, _ in forward_events)
+        assert forward_events[0] == ("ag_dispatch", order[0]) or forward_events[0][0] == "ag_wait"
+
+
+def _groups_worker(rank, world, separate):
+    seen = {"rs": set(), "ag": set()}
+    rs, ag = collectives._reduce_scatter_single, collectives._all_gather_single
+
+    def rs_spy(out, inp, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        seen["rs"].add(id(group))
+        return rs(out, inp, op=op, group=group, async_op=async_op)
+
+    def ag_spy(out, inp, group=None, async_op=False):
+        seen["ag"].add(id(group))
+        return ag(out, inp, group=group, async_op=async_op)
+
+    collectives._reduce_scatter_single, collectives._all_gather_single = rs_spy, ag_spy
+    groups = ProcessGroups.create(separate_all_gather=separate)
+    model = make_model()
+    ddp = LayerwiseDataParallel(model, process_groups=groups, bucket_size=300)
+    opt = make_optimizer("sgd", model.parameters())
+    idx, target = next(batches(1))
+    loss_fn(ddp, local(idx, rank, world), local(target, rank, world)).backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    ddp.start_param_sync(force_sync=True)
+    return seen["rs"] == {id(groups.dp)}, seen["ag"] == {id(groups.dp_all_gather)}, seen["rs"] != seen["ag"]
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_reduce_scatter_and_all_gather_groups(separate):
+    for rs_ok, ag_ok, different in run_distributed(_groups_worker, 2, separate):
+        assert rs_ok and ag_ok
+        assert different == separate
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4, bias=False)
+        self.b = nn.Linear(4, 1, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _idle_rank_worker(rank, world):
+    torch.manual_seed(0)
+    model = Tiny()
+    ddp = LayerwiseDataParallel(model, bucket_size=10**4)
+    owned = [n for n, _ in ddp.named_owned_parameters()]
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x = torch.randn(GLOBAL_BATCH, 4, generator=g)
+        opt.zero_grad()
+        ddp(local(x, rank, world)).pow(2).mean().backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        ddp.start_param_sync()
+    ddp.finish_param_sync()
+    return owned, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_rank_that_owns_nothing():
+    torch.manual_seed(0)
+    ref = Tiny()
+    opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x = torch.randn(GLOBAL_BATCH, 4, generator=g)
+        opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        opt.step()
+    results = run_distributed(_idle_rank_worker, 4)
+    assert sum(1 for owned, _ in results if not owned) >= 2, "two parameters, four ranks: two own nothing"
+    for _, params in results:
+        for n, p in ref.named_parameters():
+            assert rel_err(params[n], p.detach()) <= 1e-5
+
+
+def _buffers_worker(rank, world):
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6))
+    model[1].running_mean.fill_(float(rank))
+    ddp = LayerwiseDataParallel(model)
+    after_wrap = model[1].running_mean.clone()
+    weight = model[0].weight.detach().clone()
+    seen_at_forward = []
+    model[1].register_forward_pre_hook(lambda m, args: seen_at_forward.append(m.running_mean.clone()))
+    ddp(torch.randn(4, 3) + rank)  # each rank's statistics drift with its own data...
+    ddp(torch.randn(4, 3))  # ...and the next training forward starts from rank 0's again
+    return after_wrap, weight, seen_at_forward
+
+
+def test_buffers_and_parameters_broadcast_from_rank0():
+    results = run_distributed(_buffers_worker, 3)
+    for after_wrap, weight, seen in results:
+        assert torch.equal(after_wrap, torch.zeros(6))
+        assert torch.equal(weight, results[0][1])
+        for step in range(2):
+            assert torch.equal(seen[step], results[0][2][step])
+    assert not torch.equal(results[0][2][0], results[0][2][1]), "statistics did move between forwards"
+
+
+class MixedNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(self.a(x).to(torch.bfloat16)).float().pow(2).mean()
+
+
+def _mixed_dtype_worker(rank, world):
+    torch.manual_seed(0)
+    model, ref = MixedNet(), MixedNet()
+    ref.load_state_dict(model.state_dict())
+    ddp = LayerwiseDataParallel(model, grad_reduce_dtype=torch.float32)
+    x = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(5))
+    ref(x).backward()
+    ddp(local(x, rank, world)).backward()
+    ddp.finish_grad_sync()
+    errs = {}
+    for (n, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.grad is not None:
+            assert p.grad.dtype == p.dtype and p.main_grad.dtype == torch.float32
+            errs[n] = rel_err(p.main_grad, rp.grad.float())
+    return len(ddp.layout.buffers), errs
+
+
+def test_mixed_dtypes_get_separate_buffers():
+    for n_buffers, errs in run_distributed(_mixed_dtype_worker, 2):
+        assert n_buffers == 2
+        for n, e in errs.items():
+            # bf16 layer: the reference's gradient is rounded to bf16 once, ours per rank
+            assert e <= (1e-2 if n.startswith("b.") else 1e-6), (n, e)
+
+
+def _bad_module_worker(rank, world):
+    model = nn.Linear(4, 4 + rank)
+    try:
+        LayerwiseDataParallel(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_parameters_differing_across_ranks_rejected_before_training():
+    for message in run_distributed(_bad_module_worker, 2):
+        assert message is not None and "differ across ranks" in message and "same model" in message
+
+
+def test_bad_arguments_rejected():
+    with pytest.raises(ValueError, match="bucket_size=0"):
+        LayerwiseDataParallel(nn.Linear(2, 2), process_groups=ProcessGroups.single(), bucket_size=0)
+    with pytest.raises(ValueError, match="bucket_size=-1"):
+        LayerwiseDataParallel(nn.Linear(2, 2), process_groups=ProcessGroups.single(), bucket_size=-1)
+    with pytest.raises(ValueError, match="prefetch_depth=0"):
+        LayerwiseDataParallel(nn.Linear(2, 2), process_groups=ProcessGroups.single(), prefetch_depth=0)
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        LayerwiseDataParallel(frozen, process_groups=ProcessGroups.single())
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        LayerwiseDataParallel(nn.ReLU(), process_groups=ProcessGroups.single())
+
+
+def test_backward_twice_without_forward_is_an_error():
+    model = nn.Linear(3, 3)
+    ddp = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    x = torch.randn(2, 3)
+    out = ddp(x).sum()
+    out.backward(retain_graph=True)
+    ddp.finish_grad_sync()
+    with pytest.raises(RuntimeError, match="zero_grad_buffer"):
+        out.backward()

@@ -1,0 +1,250 @@
+"""Property tests of the pure layout planner: every guarantee on random parameter lists, dp 1..64."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_layerwise.layout import (
+    ALIGNMENT,
+    ParamSpec,
+    aligned,
+    describe_layout,
+    newton_schulz_cost,
+    numel_cost,
+    param_specs,
+    plan_layout,
+)
+
+shapes = st.one_of(
+    st.tuples(st.integers(1, 700)),
+    st.tuples(st.integers(1, 96), st.integers(1, 96)),
+    st.tuples(st.integers(1, 8), st.integers(1, 8), st.integers(1, 5), st.integers(1, 5)),
+)
+dtypes = st.sampled_from([torch.float32, torch.bfloat16])
+kinds = st.sampled_from(["dense", "dense", "expert"])
+
+
+@st.composite
+def spec_lists(draw, max_params=40):
+    n = draw(st.integers(1, max_params))
+    return [ParamSpec(f"p{i}", draw(shapes), draw(dtypes), draw(kinds)) for i in range(n)]
+
+
+def check_invariants(specs: list[ParamSpec], layout) -> None:
+    dp = layout.dp
+    assert set(layout.params) == {s.name for s in specs}
+    by_name = {s.name: s for s in specs}
+    # one buffer per (dtype, kind), holding exactly those params
+    keys = [(b.dtype, b.kind) for b in layout.buffers]
+    assert len(keys) == len(set(keys))
+    for buf in layout.buffers:
+        covered = 0
+        members = set()
+        for bi, bucket in enumerate(buf.buckets):
+            assert bucket.index == bi
+            assert bucket.start == covered, "buckets tile the buffer contiguously"
+            covered = bucket.end
+            assert bucket.numel % dp == 0 and bucket.numel > 0
+            assert bucket.shard_size * dp == bucket.numel
+            members.update(bucket.params)
+            intervals = []
+            for name in bucket.params:
+                slot = layout.params[name]
+                spec = by_name[name]
+                assert (spec.dtype, spec.kind) == (buf.dtype, buf.kind)
+                assert slot.buffer == buf.index and slot.bucket == bucket.index
+                assert slot.offset % ALIGNMENT == 0
+                lo, hi = bucket.shard_range(slot.owner)
+                assert lo <= slot.offset and slot.end <= hi, f"{name} crosses its shard"
+                intervals.append((slot.offset, slot.end))
+            intervals.sort()
+            for (a0, a1), (b0, _) in zip(intervals, intervals[1:]):
+                assert a1 <= b0, "parameters overlap"
+        assert covered == buf.numel
+        assert members == {s.name for s in specs if (s.dtype, s.kind) == (buf.dtype, buf.kind)}
+    # backward order: bucket 0 holds the first parameter in backward order, and buckets start
+    # (their earliest parameter in backward order) strictly later as the index grows
+    for buf in layout.buffers:
+        backward = [s.name for s in reversed(specs) if (s.dtype, s.kind) == (buf.dtype, buf.kind)]
+        position = {n: i for i, n in enumerate(backward)}
+        starts = [min(position[n] for n in bucket.params) for bucket in buf.buckets]
+        assert starts[0] == 0
+        assert all(a < b for a, b in zip(starts, starts[1:])), starts
+    # owners come from the layout and cover every param
+    assert sum(len(layout.owned_by(r)) for r in range(dp)) == len(specs)
+    assert 0.0 <= layout.padding_fraction < 1.0
+    assert math.isclose(sum(layout.rank_costs()), sum(newton_schulz_cost(s) for s in specs), rel_tol=1e-9)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=spec_lists(), dp=st.integers(1, 64), bucket_size=st.integers(1, 50_000))
+def test_invariants_random(specs, dp, bucket_size):
+    check_invariants(specs, plan_layout(specs, dp, bucket_size))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40).map(lambda k: k * ALIGNMENT), min_size=1, max_size=4, unique=True),
+    dp=st.integers(1, 16),
+    groups=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_zero_padding_for_equal_size_groups(sizes, dp, groups, seed):
+    """Parameters in groups of equal size whose count dp divides pack without padding."""
+    names = [(size, k) for size in sizes for k in range(groups * dp)]
+    random.Random(seed).shuffle(names)
+    specs = [ParamSpec(f"p{i}_{size}", (size,)) for i, (size, _) in enumerate(names)]
+    layout = plan_layout(specs, dp, bucket_size=10 * max(sizes) * dp)
+    check_invariants(specs, layout)
+    assert layout.padding_fraction == 0.0
+
+
+def transformer_specs(n_layer: int, d: int, vocab: int = 512) -> list[ParamSpec]:
+    specs = [ParamSpec("wte", (vocab, d)), ParamSpec("wpe", (256, d))]
+    for i in range(n_layer):
+        b = f"h.{i}."
+        specs += [
+            ParamSpec(b + "ln_1.weight", (d,)), ParamSpec(b + "ln_1.bias", (d,)),
+            ParamSpec(b + "attn.c_attn.weight", (3 * d, d)), ParamSpec(b + "attn.c_attn.bias", (3 * d,)),
+            ParamSpec(b + "attn.c_proj.weight", (d, d)), ParamSpec(b + "attn.c_proj.bias", (d,)),
+            ParamSpec(b + "ln_2.weight", (d,)), ParamSpec(b + "ln_2.bias", (d,)),
+            ParamSpec(b + "mlp.c_fc.weight", (4 * d, d)), ParamSpec(b + "mlp.c_fc.bias", (4 * d,)),
+            ParamSpec(b + "mlp.c_proj.weight", (d, 4 * d)), ParamSpec(b + "mlp.c_proj.bias", (d,)),
+        ]
+    return specs
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4, 8])
+def test_transformer_blocks_pack_without_padding(dp):
+    specs = transformer_specs(n_layer=8, d=128)
+    blocks = [s for s in specs if s.name.startswith("h.")]
+    layout = plan_layout(blocks, dp, bucket_size=2**20)
+    check_invariants(blocks, layout)
+    assert layout.padding_fraction == 0.0
+    # the whole GPT with embeddings: little padding thanks to greedy fill
+    full = plan_layout(specs, dp, bucket_size=2**20)
+    check_invariants(specs, full)
+    # Measured: 0.0%, 1.1%, 8.2%, 19.7% at dp 1, 2, 4, 8 (the lone embeddings cost the rest).
+    assert full.padding_fraction <= {1: 0.0, 2: 0.02, 4: 0.09, 8: 0.20}[dp]
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_whole_ownership_padding_bound_with_a_huge_embedding(dp):
+    """One parameter owned whole needs dp shards of its size: padding >= 1 - total / (dp * biggest).
+
+    GPT-2 small's 38.6M-element embedding at dp=8 forces >= 60% padding under
+    whole-tensor ownership, whatever the packing; the planner must still honour
+    every invariant and never do worse than its plain greedy pass.
+    """
+    from lightning_layerwise import layout as planner
+
+    specs = transformer_specs(n_layer=12, d=768, vocab=50304)
+    layout = plan_layout(specs, dp, bucket_size=2**24)
+    check_invariants(specs, layout)
+    total = sum(s.numel for s in specs)
+    bound = max(0.0, 1 - total / (dp * max(s.numel for s in specs)))
+    queue = list(reversed(specs))
+    plain = planner._pack(queue, dp, 2**24, layout.costs, (), len(queue))
+    assert bound - 1e-9 <= layout.padding_fraction <= plain.padding / (plain.padding + total) + 1e-12
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4, 8])
+def test_owners_balanced_by_newton_schulz_cost(dp):
+    specs = transformer_specs(n_layer=8, d=128)
+    layout = plan_layout(specs, dp, bucket_size=2**20)
+    costs = layout.rank_costs()
+    # The embedding alone is one rank's job; everything else spreads evenly.
+    biggest = max(newton_schulz_cost(s) for s in specs)
+    assert max(costs) - min(costs) <= biggest
+    assert layout.imbalance < 1.35, layout.summary()
+
+
+def test_balance_counts_cost_not_elements():
+    """A square matrix costs more Newton–Schulz work than a thin one of equal size."""
+    specs = [ParamSpec("square", (64, 64)), ParamSpec("thin", (4096, 1)), ParamSpec("square2", (64, 64)),
+             ParamSpec("thin2", (4096, 1))]
+    layout = plan_layout(specs, 2, bucket_size=10**6)
+    assert layout.params["square"].owner != layout.params["square2"].owner
+    assert layout.params["thin"].owner != layout.params["thin2"].owner
+    by_numel = plan_layout(specs, 2, bucket_size=10**6, cost=numel_cost)
+    assert by_numel.rank_numels() == [2 * 4096, 2 * 4096]
+
+
+def test_large_parameter_gets_its_own_bucket():
+    specs = [ParamSpec("a", (100,)), ParamSpec("big", (5000,)), ParamSpec("b", (100,))]
+    layout = plan_layout(specs, 2, bucket_size=1000)
+    big = layout.params["big"]
+    bucket = layout.buffers[0].buckets[big.bucket]
+    assert bucket.params == ("big",)
+
+
+def test_dp1_is_one_shard_with_everything_owned_by_rank0():
+    specs = transformer_specs(2, 64)
+    layout = plan_layout(specs, 1, bucket_size=10_000)
+    assert all(s.owner == 0 for s in layout.params.values())
+    assert layout.dp == 1
+
+
+def test_tied_parameter_appears_once():
+    emb = torch.nn.Embedding(32, 16)
+    head = torch.nn.Linear(16, 32, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head, "ln": torch.nn.LayerNorm(16)})
+    specs = param_specs(model)
+    assert [s.name for s in specs] == ["emb.weight", "ln.weight", "ln.bias"]
+    layout = plan_layout(specs, 2, 100)
+    check_invariants(specs, layout)
+
+
+def test_frozen_parameters_are_left_out():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    assert [s.name for s in param_specs(model)] == ["0.bias", "1.weight", "1.bias"]
+
+
+def test_summary_reports_padding_and_costs():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    text = describe_layout(model, dp=3, bucket_size=4096)
+    assert "padding=" in text and "rank 2:" in text and "cost share=" in text
+
+
+def test_cli_prints_layout(capsys):
+    from lightning_layerwise.layout import _main
+
+    _main(["tests.test_layout:_tiny_model", "--dp", "2", "3"])
+    out = capsys.readouterr().out
+    assert out.count("layout: dp=") == 2
+
+
+def _tiny_model():
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dp": 0}, "dp=0"),
+        ({"dp": 2, "bucket_size": 0}, "bucket_size=0"),
+        ({"dp": 2, "bucket_size": -5}, "bucket_size=-5"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_layout([ParamSpec("w", (4, 4))], **kwargs)
+
+
+def test_duplicate_and_empty_specs_rejected():
+    with pytest.raises(ValueError, match="appears twice"):
+        plan_layout([ParamSpec("w", (4,)), ParamSpec("w", (4,))], 2)
+    with pytest.raises(ValueError, match="no elements"):
+        plan_layout([ParamSpec("w", (0, 4))], 2)
+
+
+def test_aligned():
+    assert aligned(1) == 64 and aligned(64) == 64 and aligned(65) == 128
