@@ -402,11 +402,25 @@ class LayerwiseDataParallel(nn.Module):
         if self.events is not None:
             self.events.append((event, bucket.name))
 
-    def remove_hooks(self) -> None:
-        """Removes every hook this wrapper installed (the parameters stay views into the buffers)."""
+    def release(self) -> nn.Module:
+        """Waits for pending all-gathers, removes every hook and gives parameters their own storage.
+
+        Afterwards the module is an ordinary one again (as after unwrapping
+        ``DistributedDataParallel``) and the flat buffers are freed.
+        """
+        self.finish_param_sync()
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+        with torch.no_grad():
+            for p in self._param_names:
+                p.data = p.data.clone()
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    del p.main_grad
+        self._buffers = []
+        self._buckets = []
+        return self.module
 
 
 def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:

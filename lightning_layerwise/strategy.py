@@ -1,0 +1,296 @@
+"""Lightning glue: ``Trainer(strategy="layerwise")``.
+
+:class:`LayerwiseStrategy` reuses everything of Lightning's ``DDPStrategy`` that
+does not touch gradients (launchers, cluster environments, process-group set-up,
+``reduce``/``barrier``/``broadcast``, samplers, ``sync_batchnorm``) and replaces
+the ``DistributedDataParallel`` wrapper with :class:`LayerwiseDataParallel`. The
+rest is a handful of hook overrides that call into the engine:
+
+* end of backward on the last micro-batch: ``finish_grad_sync`` (owned params get
+  the reduced gradient, the others none);
+* gradient clipping by norm uses the global norm across shards, and a ``16-mixed``
+  grad scaler agrees on "found inf" across ranks (``precision.py``);
+* after ``optimizer.step``: ``start_param_sync`` (async all-gather, awaited by the
+  next forward's pre-hooks);
+* before evaluation, checkpointing and teardown: ``finish_param_sync``;
+* the optimizer state, sharded by ownership, is gathered into one full state
+  dict for a checkpoint and pruned back to the owned part on load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.constants import default_pg_timeout
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from .data_parallel import LayerwiseDataParallel
+from .layout import DEFAULT_BUCKET_SIZE
+from .precision import adapt_precision_plugin
+from .process_groups import ProcessGroups
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LayerwiseStrategy(DDPStrategy):
+    """Data-parallel training with a layer-wise distributed optimizer.
+
+    Gradients are reduce-scattered into shard-aligned buckets, each rank steps
+    only the parameters it owns (any single torch optimizer, e.g.
+    :class:`lightning_layerwise.Muon`), and parameters are all-gathered bucket by
+    bucket behind the next forward.
+
+    Args:
+        bucket_size: elements per communication bucket (all shards together).
+        overlap_grad_reduce: start a bucket's reduce-scatter during backward as soon
+            as its gradients are complete.
+        overlap_param_gather: all-gather parameters asynchronously, each bucket awaited
+            by a forward pre-hook just before its first module runs.
+        prefetch_depth: buckets whose all-gather may be in flight at once.
+        separate_all_gather_group: run all-gathers on their own process group so they
+            can overlap reduce-scatters.
+        grad_reduce_dtype: dtype of the gradient buffers and reduce-scatter
+            (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the parameter dtype.
+        broadcast_buffers: broadcast module buffers from rank 0 at every training
+            forward, as ``ddp`` does.
+        checkpoint_format: ``"full"``: rank 0 writes one ordinary Lightning checkpoint
+            holding the full model and the full (gathered) optimizer state.
+        process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
+        timeout: collective timeout.
+        start_method: how processes are launched, as for ``ddp``.
+    """
+
+    strategy_name = "layerwise"
+
+    def __init__(
+        self,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        overlap_grad_reduce: bool = True,
+        overlap_param_gather: bool = True,
+        prefetch_depth: int = 2,
+        separate_all_gather_group: bool = True,
+        grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
+        broadcast_buffers: bool = True,
+        checkpoint_format: Literal["full"] = "full",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+            raise ValueError(f"LayerwiseStrategy(bucket_size={bucket_size!r}): pass a positive number of elements, "
+                             f"e.g. bucket_size={DEFAULT_BUCKET_SIZE}.")
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+            raise ValueError(f"LayerwiseStrategy(prefetch_depth={prefetch_depth!r}): pass an integer >= 1.")
+        if grad_reduce_dtype is not None and grad_reduce_dtype not in _DTYPES:
+            raise ValueError(f"LayerwiseStrategy(grad_reduce_dtype={grad_reduce_dtype!r}): use one of "
+                             f"{sorted(_DTYPES)} or None (the parameter dtype).")
+        if checkpoint_format != "full":
+            raise ValueError(f"LayerwiseStrategy(checkpoint_format={checkpoint_format!r}): only 'full' is "
+                             "available (one Lightning checkpoint with the gathered optimizer state).")
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"LayerwiseStrategy(start_method={start_method!r}): use 'popen', 'spawn', 'fork' "
+                             "or 'forkserver'.")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.bucket_size = bucket_size
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.prefetch_depth = prefetch_depth
+        self.separate_all_gather_group = separate_all_gather_group
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self.broadcast_buffers = broadcast_buffers
+        self.checkpoint_format = checkpoint_format
+
+    # --- accelerators ----------------------------------------------------------------
+    @property
+    @override
+    def accelerator(self) -> Optional[Accelerator]:
+        return self._accelerator
+
+    @accelerator.setter
+    @override
+    def accelerator(self, accelerator: Optional[Accelerator]) -> None:
+        if accelerator is not None and not isinstance(accelerator, (CPUAccelerator, CUDAAccelerator)):
+            raise ValueError(
+                f"strategy='layerwise' runs on CPU (gloo) and CUDA GPUs (NCCL), not on "
+                f"{type(accelerator).__name__}; use accelerator='cpu' or accelerator='gpu' (CUDA)."
+            )
+        self._accelerator = accelerator
+
+    # --- wrapping --------------------------------------------------------------------
+    @property
+    def wrapper(self) -> Optional[LayerwiseDataParallel]:
+        return self.model if isinstance(self.model, LayerwiseDataParallel) else None
+
+    @override
+    def configure_ddp(self) -> None:
+        groups = ProcessGroups.create(
+            separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
+            timeout=self._timeout,
+        )
+        self.model = LayerwiseDataParallel(
+            self.model,
+            process_groups=groups,
+            bucket_size=self.bucket_size,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
+            prefetch_depth=self.prefetch_depth,
+            grad_reduce_dtype=_DTYPES[self.grad_reduce_dtype] if self.grad_reduce_dtype else None,
+            broadcast_buffers=self.broadcast_buffers,
+        )
+
+    @override
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_optimizers()
+            adapt_precision_plugin(self.precision_plugin, self)
+
+    def _check_optimizers(self) -> None:
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"strategy='layerwise' steps one optimizer per training step, but configure_optimizers returned "
+                f"{len(self.optimizers)}. Put all parameters in one optimizer with several param groups "
+                "(lightning_layerwise.Muon already combines Muon and AdamW groups)."
+            )
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        """DDP communication hooks do not apply: communication is the wrapper's own."""
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        wrapper = self.wrapper
+        if wrapper is None:
+            yield None
+            return
+        with wrapper.no_sync():
+            yield None
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        wrapper = self.wrapper
+        if wrapper is not None and wrapper._micro_batch_is_last:
+            wrapper.finish_grad_sync()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union["torch.nn.Module", Any]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        wrapper = self.wrapper
+        if wrapper is not None:
+            wrapper.start_param_sync()
+        return output
+
+    def sync_parameters(self) -> None:
+        """Waits until every rank holds the current parameters (no collective if already synced)."""
+        wrapper = self.wrapper
+        if wrapper is not None:
+            wrapper.finish_param_sync()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.sync_parameters()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.sync_parameters()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.sync_parameters()
+        super().on_predict_start()
+
+    # --- checkpoints -----------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.sync_parameters()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state: every rank's owned entries gathered (collective)."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        local = optimizer.state_dict()
+        if not _distributed_is_initialized() or dist.get_world_size() == 1:
+            return local
+        cpu_state = {k: _to_cpu(v) for k, v in local["state"].items()}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, cpu_state)
+        merged: dict = {}
+        for part in gathered:
+            merged.update(part)
+        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        wrapper = self.wrapper
+        if wrapper is None:
+            return
+        for optimizer in self.optimizers:
+            for p in list(optimizer.state):
+                if p in wrapper._param_names and not wrapper.owns(p):
+                    del optimizer.state[p]  # another rank steps it; keep state once in the world
+
+    # --- teardown ----------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        wrapper = self.wrapper
+        if wrapper is not None:
+            wrapper.finish_param_sync()
+            wrapper.release()
+            self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        for name, start_method in (("layerwise", "popen"), ("layerwise_spawn", "spawn"),
+                                   ("layerwise_fork", "fork"), ("layerwise_notebook", "fork")):
+            strategy_registry.register(
+                name, cls, description=f"Layer-wise distributed optimizer, start_method='{start_method}'",
+                start_method=start_method, override=True,
+            )
+
+
+def _to_cpu(value):
+    if torch.is_tensor(value):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value

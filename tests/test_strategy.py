@@ -1,0 +1,259 @@
+"""Trainer(strategy="layerwise") against Trainer(strategy="ddp") on the same model, data and seed.
+
+Each rank is a forked gloo process with LOCAL_RANK/WORLD_SIZE set, the way
+Lightning's own subprocess launcher (and torchrun) start workers, so both
+Trainers run in the same process group and every rank's parameters come back.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_layerwise as llw
+from _dist import run_distributed
+
+WORLD = 2
+
+
+class Regressor(L.LightningModule):
+    def __init__(self, optimizer: str = "adamw", inf_on_rank: int | None = None, inf_at_step: int = 1):
+        super().__init__()
+        self.optimizer_name = optimizer
+        self.inf_on_rank, self.inf_at_step = inf_on_rank, inf_at_step
+        torch.manual_seed(0)
+        self.emb = nn.Linear(7, 24)
+        self.body = nn.Sequential(nn.Linear(24, 33), nn.GELU(), nn.LayerNorm(33), nn.Linear(33, 24))
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(h + self.body(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.inf_on_rank == self.global_rank and self.global_step == self.inf_at_step:
+            # An inf gradient for one parameter only: after the reduce-scatter only its owner sees it.
+            loss = loss + self.head.bias.sum() * float("inf")
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        groups = llw.muon_param_groups(self)
+        return llw.Muon(groups, lr=0.02, adamw_lr=1e-2, ns_dtype=torch.float32)
+
+
+def loaders(n: int = 64, batch_size: int = 4):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 7, generator=g)
+    y = torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin(), x[:, 3:].sum(1)], dim=1)
+    data = TensorDataset(x, y)
+    return DataLoader(data, batch_size=batch_size), DataLoader(data, batch_size=8)
+
+
+def fit(strategy, model_kwargs, trainer_kwargs):
+    model = Regressor(**model_kwargs)
+    train, val = loaders()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=8, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=2, val_check_interval=4, num_sanity_val_steps=1, **trainer_kwargs,
+    )
+    trainer.fit(model, train, val)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer
+
+
+def _compare_worker(rank, world, model_kwargs, trainer_kwargs):
+    torch.manual_seed(0)
+    ddp_params, _ = fit("ddp", model_kwargs, trainer_kwargs)
+    lw_params, trainer = fit("layerwise", model_kwargs, trainer_kwargs)
+    plain = all(type(p.data) is torch.Tensor and p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
+                for p in trainer.lightning_module.parameters())
+    return ddp_params, lw_params, plain
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+CASES = {
+    "adamw": ({"optimizer": "adamw"}, {}),
+    "muon": ({"optimizer": "muon"}, {}),
+    "accumulate": ({"optimizer": "muon"}, {"accumulate_grad_batches": 2}),
+    "clip_norm": ({"optimizer": "adamw"}, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+    "clip_value": ({"optimizer": "adamw"}, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "bf16_mixed": ({"optimizer": "muon"}, {"precision": "bf16-mixed"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_layerwise_equals_ddp(case):
+    model_kwargs, trainer_kwargs = CASES[case]
+    # bf16 autocast rounds activations; the two strategies then differ by a few bf16 ulps
+    tol = 2e-2 if case == "bf16_mixed" else 1e-5
+    for ddp_params, lw_params, plain in run_distributed(_compare_worker, WORLD, model_kwargs, trainer_kwargs):
+        assert plain, "after teardown, parameters own their storage again"
+        moved = max(rel_err(lw_params[n], Regressor().state_dict()[n]) for n in lw_params)
+        assert moved > 1e-3, "training changed the parameters"
+        for n in ddp_params:
+            assert rel_err(lw_params[n], ddp_params[n]) <= tol, (n, rel_err(lw_params[n], ddp_params[n]))
+
+
+def _inf_worker(rank, world):
+    model = Regressor(optimizer="adamw", inf_on_rank=1, inf_at_step=0)
+    train, _ = loaders()
+    precision = MixedPrecision("16-mixed", "cpu")
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="layerwise", max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        plugins=[precision])
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scales = []
+
+    class Spy(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            scales.append(precision.scaler.get_scale())
+            if batch_idx == 0:
+                spy.after_first = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    spy = Spy()
+    trainer.callbacks.append(spy)
+    trainer.fit(model, train)
+    unchanged = all(torch.equal(spy.after_first[n], initial[n]) for n in initial)
+    return unchanged, scales
+
+
+def test_16_mixed_inf_on_one_rank_skips_the_step_on_all_ranks():
+    results = run_distributed(_inf_worker, WORLD)
+    for unchanged, scales in results:
+        assert unchanged, "the first step (inf on rank 1 only) must be skipped on every rank"
+        assert scales[0] == 2.0**15, scales  # halved once, from the default 2**16
+    assert results[0][1] == results[1][1], "every rank keeps the same loss scale"
+
+
+class NoTrainable(Regressor):
+    def __init__(self):
+        super().__init__()
+        self.requires_grad_(False)
+
+
+def _no_trainable_worker(rank, world):
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="layerwise", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    train, _ = loaders()
+    try:
+        trainer.fit(NoTrainable(), train)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_model_without_trainable_parameters_is_a_clear_error():
+    for message in run_distributed(_no_trainable_worker, WORLD):
+        assert message and "no trainable parameter" in message
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"bucket_size": -1}, "bucket_size=-1"),
+        ({"bucket_size": 0}, "bucket_size=0"),
+        ({"prefetch_depth": 0}, "prefetch_depth=0"),
+        ({"grad_reduce_dtype": "float64"}, "grad_reduce_dtype='float64'"),
+        ({"checkpoint_format": "zip"}, "checkpoint_format='zip'"),
+    ],
+)
+def test_bad_strategy_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llw.LayerwiseStrategy(**kwargs)
+
+
+class OtherAccelerator(Accelerator):
+    """An accelerator the strategy cannot serve (stands in for TPU/XLA, MPS, HPU)."""
+
+    def setup_device(self, device):
+        pass
+
+    def teardown(self):
+        pass
+
+    @staticmethod
+    def parse_devices(devices):
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [torch.device("cpu")] * devices
+
+    @staticmethod
+    def auto_device_count():
+        return 1
+
+    @staticmethod
+    def is_available():
+        return True
+
+    @staticmethod
+    def name():
+        return "other"
+
+    def get_device_stats(self, device):
+        return {}
+
+    @classmethod
+    def register_accelerators(cls, registry):
+        pass
+
+
+def test_unsupported_accelerator_is_rejected_at_trainer_construction():
+    with pytest.raises(ValueError, match="OtherAccelerator"):
+        L.Trainer(accelerator=OtherAccelerator(), devices=2, strategy="layerwise")
+
+
+def test_strategy_names_are_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, method in [("layerwise", "popen"), ("layerwise_spawn", "spawn"), ("layerwise_fork", "fork"),
+                         ("layerwise_notebook", "fork")]:
+        assert name in StrategyRegistry
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, llw.LayerwiseStrategy) and strategy._start_method == method
+
+
+def _multi_opt_worker(rank, world):
+    class TwoOptimizers(Regressor):
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.emb.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="layerwise", max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    m = TwoOptimizers()
+    m.automatic_optimization = False
+    try:
+        trainer.fit(m, loaders()[0])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_more_than_one_optimizer_is_a_clear_error():
+    for message in run_distributed(_multi_opt_worker, WORLD):
+        assert message and "one optimizer" in message
