@@ -1,21 +1,31 @@
-"""lightning-layerwise: data-parallel training with a layer-wise distributed optimizer for Lightning."""
+"""lightning-layerwise: data-parallel training with a layer-wise distributed optimizer for Lightning.
 
+Importing the package registers the strategies ``layerwise``, ``layerwise_spawn``,
+``layerwise_fork`` and ``layerwise_notebook`` with Lightning.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from .data_parallel import LayerwiseDataParallel
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
+from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
+from .strategy import LayerwiseStrategy
 
-try:  # filled in as the package grows
-    from .optim import Muon, muon_param_groups
-except ImportError:  # pragma: no cover
-    pass
+LayerwiseStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "LayerwiseDataParallel",
+    "LayerwiseStrategy",
     "Layout",
     "Muon",
     "ParamSpec",
     "ProcessGroups",
+    "clip_grad_norm_",
+    "clip_grad_value_",
     "describe_layout",
+    "grad_norm",
     "muon_param_groups",
     "plan_layout",
 ]

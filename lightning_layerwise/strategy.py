@@ -220,6 +220,11 @@ class LayerwiseStrategy(DDPStrategy):
             wrapper.finish_param_sync()
 
     @override
+    def on_train_end(self) -> None:
+        self.sync_parameters()
+        super().on_train_end()
+
+    @override
     def on_validation_start(self) -> None:
         self.sync_parameters()
         super().on_validation_start()

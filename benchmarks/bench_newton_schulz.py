@@ -1,0 +1,211 @@
+"""Newton-Schulz cost of one Muon step on a GPT's matrices: batched vs per-matrix, bf16 vs fp32.
+
+Run (default: n_layer=6, n_embd=384, i.e. the hidden matrices of a small GPT; under a
+minute on 2 CPU cores):
+
+    python benchmarks/bench_newton_schulz.py
+    python benchmarks/bench_newton_schulz.py --n-layer 12 --n-embd 768 --repeats 5
+    python benchmarks/bench_newton_schulz.py --shapes 1152x384,384x384 --count 6 --devices cuda
+
+For every device (CPU, and CUDA when present) and every ``ns_dtype`` it times
+``orthogonalize(matrices, batched=True)`` (same shapes stacked into one baddbmm chain)
+against ``batched=False`` (one matrix at a time, op for op like torch.optim.Muon),
+reports median milliseconds per optimizer step (variants interleaved per repeat), and
+measures accuracy on one block's matrices: ``max|sigma - 1|`` and ``mean|sigma - 1|``
+over the output's singular values (how orthogonal it is) and the relative Frobenius
+distance to the same iteration run in float64 (the error the dtype adds).
+Inputs are Gaussian matrices (a stand-in for momentum; real gradients are lower-rank,
+which moves ``max|sigma - 1|`` but not the timings).
+
+Writes ``benchmarks/results/newton_schulz_<device>.json`` (``..._threads<N>.json`` with
+``--threads N``). On a shared CPU, ``--threads 1`` gives the steadiest numbers: with
+every core busy, multi-threaded kernels spend their time waiting at barriers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lightning_layerwise.optim.muon import NS_SCHEDULES, newton_schulz_reference, orthogonalize  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def gpt_matrix_shapes(n_layer: int, n_embd: int) -> list[tuple[int, int]]:
+    """(out, in) shapes of the Linear weights Muon steps in a GPT-2 style model, block by block."""
+    per_block = [(3 * n_embd, n_embd), (n_embd, n_embd), (4 * n_embd, n_embd), (n_embd, 4 * n_embd)]
+    return per_block * n_layer
+
+
+def parse_shapes(text: str, count: int) -> list[tuple[int, int]]:
+    shapes = []
+    for item in text.split(","):
+        rows, _, cols = item.strip().partition("x")
+        if not rows.isdigit() or not cols.isdigit():
+            raise ValueError(f"--shapes item {item!r} is not ROWSxCOLS, e.g. --shapes 1152x384,384x384")
+        shapes.append((int(rows), int(cols)))
+    return shapes * count
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_once_ms(fn, device: torch.device) -> float:
+    """Wall time of one call in ms; on CUDA bracketed by events after a synchronize."""
+    if device.type == "cuda":
+        sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_pair_ms(fns: dict, device: torch.device, warmup: int, repeats: int) -> dict[str, list[float]]:
+    """Time several variants, interleaved repeat by repeat so a change of machine load
+    (a shared CPU) hits every variant alike rather than biasing the one that ran last."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for key, fn in fns.items():
+            times[key].append(time_once_ms(fn, device))
+    return times
+
+
+def accuracy(mats: list[torch.Tensor], steps: int, schedule: str, dtype: torch.dtype) -> dict[str, float]:
+    """Orthogonality of the output and its distance to the float64 run of the same iteration."""
+    deviations, rel_err = [], 0.0
+    for M in mats:
+        out = newton_schulz_reference(M, steps, schedule, 1e-7, dtype).double()
+        ref = newton_schulz_reference(M.double(), steps, schedule, 1e-7, torch.float64)
+        deviations.append((torch.linalg.svdvals(out) - 1).abs())
+        rel_err = max(rel_err, ((out - ref).norm() / ref.norm()).item())
+    dev = torch.cat(deviations)
+    return {"max_abs_sigma_minus_1": dev.max().item(), "mean_abs_sigma_minus_1": dev.mean().item(),
+            "rel_err_vs_float64": rel_err}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def bench_device(args: argparse.Namespace, device: torch.device, shapes: list[tuple[int, int]]) -> dict:
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(s, generator=g).to(device) for s in shapes]
+    block = mats[: len(set(shapes))]  # one of each shape, for the accuracy numbers
+    rows = []
+    for name in args.dtypes.split(","):
+        dtype = DTYPES[name]
+        row: dict = {"ns_dtype": name}
+        variants = {
+            key: (lambda b=batched: orthogonalize(mats, args.steps, args.schedule, 1e-7, dtype, batched=b))
+            for key, batched in (("batched", True), ("per_matrix", False))
+        }
+        for key, times in time_pair_ms(variants, device, args.warmup, args.repeats).items():
+            row[f"{key}_ms_median"] = statistics.median(times)
+            row[f"{key}_ms_min"] = min(times)
+            row[f"{key}_ms_all"] = times
+        row["speedup_batched"] = row["per_matrix_ms_median"] / row["batched_ms_median"]
+        row["accuracy"] = {s: accuracy([m.cpu() for m in block], args.steps, s, dtype) for s in args.accuracy_schedules}
+        rows.append(row)
+    return {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1min_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        "shapes": [list(s) for s in shapes],
+        "n_matrices": len(shapes),
+        "ns_steps": args.steps,
+        "timed_schedule": args.schedule,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']} ({result['device_name']}, {result['threads']} threads, torch {result['torch']}): "
+          f"{result['n_matrices']} matrices, ns_steps={result['ns_steps']}, median of {result['repeats']}")
+    head = f"{'ns_dtype':9} {'batched ms':>11} {'per-matrix ms':>14} {'speedup':>8}"
+    schedules = list(result["rows"][0]["accuracy"])
+    for s in schedules:
+        head += f"  {s + ' max/mean|s-1|':>28} {'err vs fp64':>11}"
+    print(head)
+    for r in result["rows"]:
+        line = (f"{r['ns_dtype']:9} {r['batched_ms_median']:11.1f} {r['per_matrix_ms_median']:14.1f} "
+                f"{r['speedup_batched']:7.2f}x")
+        for s in schedules:
+            acc = r["accuracy"][s]
+            pair = f"{acc['max_abs_sigma_minus_1']:.3f}/{acc['mean_abs_sigma_minus_1']:.3f}"
+            line += f"  {pair:>28} {acc['rel_err_vs_float64']:11.1e}"
+        print(line)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n-layer", type=int, default=6)
+    parser.add_argument("--n-embd", type=int, default=384)
+    parser.add_argument("--shapes", default=None, help="ROWSxCOLS,... instead of the GPT shapes")
+    parser.add_argument("--count", type=int, default=1, help="repeat --shapes this many times")
+    parser.add_argument("--steps", type=int, default=5, help="Newton-Schulz iterations")
+    parser.add_argument("--schedule", default="simple", choices=sorted(NS_SCHEDULES), help="schedule that is timed")
+    parser.add_argument("--accuracy-schedules", default=",".join(NS_SCHEDULES),
+                        help="schedules whose accuracy is reported")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--devices", default="cpu,cuda", help="devices to run; cuda is skipped when absent")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args(argv)
+    args.accuracy_schedules = [s for s in args.accuracy_schedules.split(",") if s]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    shapes = parse_shapes(args.shapes, args.count) if args.shapes else gpt_matrix_shapes(args.n_layer, args.n_embd)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.devices.split(","):
+        if name == "cuda" and not torch.cuda.is_available():
+            print("cuda: not available, skipped")
+            continue
+        device = torch.device(name)
+        result = bench_device(args, device, shapes)
+        print_table(result)
+        # A run with pinned threads gets its own file so it does not replace the default run.
+        suffix = f"_threads{args.threads}" if args.threads else ""
+        path = out_dir / f"newton_schulz_{device.type}{suffix}.json"
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

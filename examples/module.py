@@ -1,0 +1,214 @@
+"""LightningModule that trains the example GPT (``examples/gpt.py``) as a character-level language model.
+
+The training job ``examples/train.py`` builds it from the command line (its
+docstring has the run commands). From Python::
+
+    import lightning as L
+    import torch
+    from examples.data import CharDataModule
+    from examples.module import GPTLightningModule
+
+    dm = CharDataModule()
+    model = GPTLightningModule(vocab_size=dm.vocab_size)        # default optimizer: llw.Muon
+    model = GPTLightningModule(vocab_size=dm.vocab_size,        # or any torch optimizer
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+    L.Trainer(strategy="layerwise", devices=2, max_steps=500).fit(model, dm)
+
+Note [optimizer injection]
+    ``optimizer`` and ``lr_scheduler`` follow LightningCLI's dependency-injection
+    pattern (``OptimizerCallable`` / ``LRSchedulerCallable``): the module receives a
+    factory and calls it with what to optimise, so the CLI can pick the class and its
+    arguments (``--model.optimizer torch.optim.AdamW --model.optimizer.lr 1e-3``).
+    The factory is called with *parameter groups*, not ``self.parameters()``: Muon
+    needs groups that say which parameters get Muon (``use_muon=True``: the hidden
+    matrices) and which get AdamW (embeddings, the tied head, biases, LayerNorm
+    gains), and ``lightning_layerwise.muon_param_groups`` makes them. Plain torch
+    optimizers take the same groups: they keep unknown keys such as ``use_muon`` in
+    ``param_groups`` and ignore them (checked for AdamW and SGD in torch 2.13).
+
+Note [vocab_size]
+    The model's vocabulary comes from the data. ``vocab_size > 0`` builds the model
+    in ``__init__``; ``vocab_size=0`` (the default) defers it to ``configure_model``,
+    which reads ``trainer.datamodule.vocab_size``. LightningCLI instead links
+    ``data.vocab_size`` to ``model.vocab_size`` so the model is built in ``__init__``.
+    Either way the model exists before the strategy wraps it, and the value is
+    written back to ``hparams`` so checkpoints record it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import Tensor
+from torch.optim import Optimizer
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+try:  # imported as part of the `examples` package (python -m examples.train, pytest)
+    from .gpt import GPT, GPTConfig
+except ImportError:  # run as a script, with examples/ itself on sys.path
+    from gpt import GPT, GPTConfig
+
+__all__ = ["GPTLightningModule", "default_optimizer"]
+
+
+def default_optimizer(params: Any) -> Optimizer:
+    """``lightning_layerwise.Muon(params, lr=0.02, adamw_lr=3e-3)``: the example's default optimizer.
+
+    Imported here, not at module import, so this module (and models that use another
+    optimizer) load even where Muon is unavailable.
+    """
+    try:
+        from lightning_layerwise import Muon
+    except ImportError as err:
+        raise ImportError(
+            "GPTLightningModule: the default optimizer lightning_layerwise.Muon could not be imported"
+            f" ({err}); pass another one, e.g. optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), or on"
+            " the command line --model.optimizer torch.optim.AdamW."
+        ) from err
+    return Muon(params, lr=0.02, adamw_lr=3e-3)
+
+
+class GPTLightningModule(L.LightningModule):
+    """Character-level GPT: next-token cross-entropy, with perplexity and accuracy on validation.
+
+    Args:
+        vocab_size: Number of token ids. 0 takes it from ``trainer.datamodule.vocab_size`` in
+            ``configure_model``; see Note [vocab_size].
+        n_layer: Transformer blocks.
+        n_head: Attention heads; must divide ``n_embd``.
+        n_embd: Width of the residual stream.
+        block_size: Longest sequence the model accepts; the data's ``block_size`` must not exceed it.
+        dropout: Dropout probability in ``[0, 1)``.
+        bias: Biases in Linear and LayerNorm layers.
+        optimizer: Factory called with the parameter groups; see Note [optimizer injection].
+        lr_scheduler: Optional factory called with the optimizer; it is stepped every
+            optimizer step (``interval="step"``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 0,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        block_size: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        optimizer: OptimizerCallable = default_optimizer,
+        lr_scheduler: LRSchedulerCallable | None = None,
+    ) -> None:
+        super().__init__()
+        if vocab_size < 0:
+            raise ValueError(
+                f"GPTLightningModule: `vocab_size` must be >= 0, got {vocab_size}; pass the data's"
+                f" vocabulary size, or 0 to read it from the datamodule."
+            )
+        # The factories are code, not hyperparameters: a CLI-built callable need not
+        # pickle, and the CLI saves its own config next to the checkpoints anyway.
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.model: GPT | None = None
+        if vocab_size > 0:
+            self._build(vocab_size)
+        else:
+            # Fail now on a bad shape rather than at configure_model time.
+            GPTConfig(vocab_size=1, **self._shape())
+
+    def _shape(self) -> dict[str, Any]:
+        h = self.hparams
+        return dict(
+            block_size=h.block_size, n_layer=h.n_layer, n_head=h.n_head, n_embd=h.n_embd,
+            dropout=h.dropout, bias=h.bias,
+        )
+
+    def _build(self, vocab_size: int) -> None:
+        self.hparams.vocab_size = vocab_size
+        self.model = GPT(GPTConfig(vocab_size=vocab_size, **self._shape()))
+        # Token-level metrics: micro accuracy = fraction of characters predicted right
+        # (macro would weight rare characters like common ones). Separate objects per
+        # stage because torchmetrics accumulate state until compute/reset.
+        self.train_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=vocab_size, average="micro")
+        self.val_ppl = Perplexity()
+        self.test_ppl = Perplexity()
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return  # built in __init__, or by an earlier fit/validate call
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        vocab_size = getattr(datamodule, "vocab_size", 0)
+        if not vocab_size:
+            raise ValueError(
+                "GPTLightningModule: `vocab_size` is 0 and the trainer has no datamodule with a"
+                " `vocab_size`; pass vocab_size=<the data's vocabulary size>, or a datamodule such as"
+                " examples.data.CharDataModule to trainer.fit(model, datamodule=...)."
+            )
+        self._build(int(vocab_size))
+
+    def on_fit_start(self) -> None:
+        # A `trainer.validate()` before `fit` resets the metrics inside inference mode,
+        # which makes their states inference tensors; fit validates under no_grad, where
+        # updating those in place raises. Resetting here, outside inference mode, gives
+        # them ordinary tensors again.
+        for metric in (self.train_acc, self.val_acc, self.test_acc, self.val_ppl, self.test_ppl):
+            metric.reset()
+
+    def param_groups_for_optimizer(self) -> list[dict[str, Any]]:
+        """Parameter groups for the optimizer factory; see Note [optimizer injection]."""
+        try:
+            from lightning_layerwise import muon_param_groups
+        except ImportError:
+            # Without Muon, only plain torch optimizers can be in use: one group will do.
+            return [{"params": list(self.model.parameters())}]
+        return muon_param_groups(self.model)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.param_groups_for_optimizer())
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        return self.model(idx, targets)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits, loss = self.model(x, y)
+        # sync_dist: the logged curve is the loss of the global batch, comparable with
+        # a one-process run of the same global batch (one scalar all-reduce per step).
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        # Logits (B, T, V) -> (B, V, T): torchmetrics wants the class dimension second.
+        self.train_acc(logits.detach().transpose(1, 2), y)
+        self.log("train_acc", self.train_acc)
+        return loss
+
+    def _evaluate(self, batch: tuple[Tensor, Tensor], stage: str) -> Tensor:
+        x, y = batch
+        logits, loss = self.model(x, y)
+        acc, ppl = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_ppl")
+        acc.update(logits.transpose(1, 2), y)
+        ppl.update(logits, y)
+        self.log(f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True)
+        # Metric objects sync their own state across processes at compute().
+        self.log(f"{stage}_acc", acc)
+        self.log(f"{stage}_ppl", ppl)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._evaluate(batch, "val")
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._evaluate(batch, "test")
+
+    def predict_step(self, batch: tuple[Tensor, Tensor] | Tensor, batch_idx: int) -> Tensor:
+        """The most likely next token at every position, ``(B, T)``."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        logits, _ = self.model(x)
+        return logits.argmax(dim=-1)

@@ -1,0 +1,203 @@
+"""Global gradient norm and clipping over the gradient shards of a :class:`LayerwiseDataParallel`.
+
+After :meth:`~lightning_layerwise.LayerwiseDataParallel.finish_grad_sync` each
+rank holds the reduced gradient of the parameters it owns and nothing else, so
+``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see only this
+rank's part of the gradient and compute a different norm (and scale) on every
+rank. The functions here compute the norm of the *full* gradient from the owned
+shards with one all-reduce, and scale or clamp only the owned gradients, so
+every rank applies the same coefficient a single process would. No Lightning
+here: the strategy (or Fabric, or a plain loop) calls these.
+
+Note [norm from shards]
+    Shard ``rank`` of every bucket holds exactly the owned parameters'
+    gradients plus padding, which is always zero. A zero adds nothing to a sum
+    of ``|g|^p`` (p > 0) or to a maximum of ``|g|``, so these norms are
+    reduced from whole shards without a per-parameter loop: a sum (2-norm via
+    :meth:`~lightning_layerwise.LayerwiseDataParallel.grad_norm_squared`,
+    other p) or a maximum (inf-norm) over ranks. Norms built from a minimum
+    (negative p, ``-inf``) would see the padding's zeros, and torch's p = 0
+    "norm" counts the non-zero *tensors* (not elements), which has no
+    layout-independent meaning; both are rejected.
+    The norm is accumulated in float32 (float64 for float64 gradients is
+    rounded to float32 too, as ``grad_norm_squared`` does) and is the norm of
+    the gradient *buffer*, i.e. of ``main_grad``.
+
+Note [scaling owned gradients]
+    An owned parameter's ``.grad`` is a view of its slot in the grad buffer
+    (``main_grad``) when the buffer has the parameter's dtype, and a copy when
+    it does not (``grad_reduce_dtype=torch.float32`` for bf16 parameters).
+    Clipping scales (or clamps) ``main_grad`` and, when ``.grad`` is a separate
+    tensor, ``.grad`` as well, so the optimizer (which reads ``.grad``) and
+    anything that reads ``main_grad`` (a master-weight optimizer, the next norm)
+    agree. Padding is never touched, so it stays zero even when the norm is
+    not finite.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+
+from . import collectives
+from .data_parallel import BucketState, LayerwiseDataParallel
+
+__all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
+
+NormType = Union[float, int, str]
+
+
+def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm of the full reduced gradient, computed from this rank's shards.
+
+    Collective over the wrapper's data-parallel group: every rank must call it,
+    and every rank gets the same float32 scalar. Equals the total norm
+    ``torch.nn.utils.clip_grad_norm_`` computes on one process over all the
+    parameters' gradients. See Note [norm from shards].
+
+    Args:
+        wrapper: the wrapper, after :meth:`~LayerwiseDataParallel.finish_grad_sync`.
+        norm_type: ``p > 0`` of the p-norm, or ``float('inf')`` (also ``'inf'``)
+            for the largest absolute value.
+    """
+    p = _check_norm_type(norm_type)
+    shards = _owned_shards(wrapper)
+    group = wrapper.process_groups.dp
+    if p == 2.0:
+        return wrapper.grad_norm_squared().sqrt()
+    total = torch.zeros((), dtype=torch.float32, device=shards[0].device)
+    if math.isinf(p):
+        for shard in shards:
+            if shard.numel():
+                total = torch.maximum(total, shard.abs().amax().float().to(total.device))
+        return _all_reduce_max(total, group)
+    for shard in shards:
+        total += shard.float().abs().pow(p).sum().to(total.device)
+    collectives.all_reduce_sum(total, group)
+    return total.pow(1.0 / p)
+
+
+def clip_grad_norm_(
+    wrapper: LayerwiseDataParallel,
+    max_norm: float,
+    norm_type: NormType = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scales the owned gradients so that the full gradient's norm is at most ``max_norm``.
+
+    Like ``torch.nn.utils.clip_grad_norm_`` on one process: the coefficient is
+    ``min(max_norm / (total_norm + 1e-6), 1)``, applied to every owned gradient
+    (see Note [scaling owned gradients]). Collective: every rank must call it.
+
+    Args:
+        wrapper: the wrapper, after :meth:`~LayerwiseDataParallel.finish_grad_sync`.
+        max_norm: the largest allowed norm, ``>= 0``.
+        norm_type: as in :func:`grad_norm`.
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank) if the total
+            norm is NaN or infinite instead of scaling by it.
+
+    Returns:
+        The total norm before clipping (float32 scalar, the same on every rank).
+    """
+    _check_nonnegative("max_norm", max_norm, "max_norm=1.0")
+    total_norm = grad_norm(wrapper, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total_norm).item():
+        raise RuntimeError(
+            f"the total norm of order {float(norm_type)} of the gradients is {total_norm.item()}, so it "
+            "cannot be clipped. Find the source of the non-finite gradient (e.g. a too high learning rate or "
+            "an fp16 overflow), or pass error_if_nonfinite=False to scale by the non-finite norm anyway."
+        )
+    # Same arithmetic as torch.nn.utils.clip_grad_norm_ (multiplying by a coefficient clamped
+    # to 1 even when nothing needs clipping avoids a host sync on accelerators).
+    clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+    grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in _owned_grad_tensors(wrapper):
+        grouped.setdefault((t.device, t.dtype), []).append(t)
+    for (device, _), tensors in grouped.items():
+        torch._foreach_mul_(tensors, clip_coef.to(device))
+    return total_norm
+
+
+def clip_grad_value_(wrapper: LayerwiseDataParallel, clip_value: float) -> None:
+    """Clamps every owned gradient into ``[-clip_value, clip_value]``, like ``torch.nn.utils.clip_grad_value_``.
+
+    Element-wise, so no communication: each rank clamps the gradients it owns.
+    See Note [scaling owned gradients].
+
+    Args:
+        wrapper: the wrapper, after :meth:`~LayerwiseDataParallel.finish_grad_sync`.
+        clip_value: the largest allowed absolute value, ``>= 0``.
+    """
+    _check_nonnegative("clip_value", clip_value, "clip_value=1.0")
+    _owned_shards(wrapper)  # raises before finish_grad_sync, where no gradient is owned yet
+    value = float(clip_value)
+    with torch.no_grad():
+        for t in _owned_grad_tensors(wrapper):
+            t.clamp_(min=-value, max=value)
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+def _owned_shards(wrapper: LayerwiseDataParallel) -> list[torch.Tensor]:
+    """This rank's shard of every bucket's gradient; raises unless the gradients are reduced."""
+    if not isinstance(wrapper, LayerwiseDataParallel):
+        raise TypeError(
+            f"expected the LayerwiseDataParallel wrapper, got {type(wrapper).__name__}. Pass the wrapper "
+            "(its gradients are sharded across ranks); for an unwrapped module use torch.nn.utils.clip_grad_norm_."
+        )
+    buckets = wrapper.buckets
+    if any(b.grads_state is not BucketState.REDUCED for b in buckets):
+        raise RuntimeError(
+            "the gradients are not reduced yet: call wrapper.finish_grad_sync() after the last backward of "
+            "the step and before computing a gradient norm or clipping."
+        )
+    return [b.grad_data.chunk(wrapper.dp_size)[wrapper.dp_rank] for b in buckets]
+
+
+def _owned_grad_tensors(wrapper: LayerwiseDataParallel) -> list[torch.Tensor]:
+    """Every tensor holding an owned gradient: ``main_grad`` and, when it is a copy, ``.grad``."""
+    tensors = []
+    for p in wrapper.owned_parameters():
+        grad = p.grad
+        if grad is None:
+            continue
+        main = getattr(p, "main_grad", None)
+        if main is not None:
+            tensors.append(main)
+            if _same_tensor_memory(grad, main):
+                continue
+        tensors.append(grad)
+    return tensors
+
+
+def _same_tensor_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+                      and a.stride() == b.stride())
+
+
+def _all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:
+    """The maximum of ``tensor`` over the data-parallel group (in place; a no-op on one process)."""
+    return collectives.all_reduce_max(tensor, group)
+
+
+def _check_norm_type(norm_type: NormType) -> float:
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        p = math.nan
+    if isinstance(norm_type, bool) or math.isnan(p) or p <= 0:
+        raise ValueError(
+            f"norm_type={norm_type!r} is not supported: use a number > 0 (e.g. norm_type=2.0) or "
+            "norm_type=float('inf'). Norms that take a minimum (negative p, -inf) would count the zero "
+            "padding of the gradient shards, and p=0 counts tensors, not elements."
+        )
+    return p
+
+
+def _check_nonnegative(name: str, value: float, example: str) -> None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name}={value!r} is invalid: it must be a number >= 0, e.g. {example}.")

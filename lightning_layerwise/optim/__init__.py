@@ -1,0 +1,29 @@
+"""Optimizers for layer-wise training: Muon for matrices, AdamW for the rest, and the rule that splits them."""
+
+from lightning_layerwise.optim.muon import (
+    NS_SCHEDULES,
+    Muon,
+    adjust_lr_scale,
+    muon_step,
+    muon_update,
+    newton_schulz,
+    newton_schulz_reference,
+    orthogonalize,
+    resolve_ns_coefficients,
+)
+from lightning_layerwise.optim.param_groups import describe_param_groups, muon_param_groups, route_parameters
+
+__all__ = [
+    "NS_SCHEDULES",
+    "Muon",
+    "adjust_lr_scale",
+    "describe_param_groups",
+    "muon_param_groups",
+    "muon_step",
+    "muon_update",
+    "newton_schulz",
+    "newton_schulz_reference",
+    "orthogonalize",
+    "resolve_ns_coefficients",
+    "route_parameters",
+]

@@ -1,0 +1,632 @@
+"""Muon for matrices, AdamW for everything else, in one ``torch.optim.Optimizer``.
+
+The maths comes first as plain functions without ``torch.distributed``
+(:func:`newton_schulz`, :func:`newton_schulz_reference`, :func:`muon_update`,
+:func:`adjust_lr_scale`, :func:`muon_step`); the :class:`Muon` class after them
+only keeps state and routes each param group to the Muon or the AdamW rule.
+
+Note [layer-wise stepping]
+    The step touches only parameters whose ``.grad`` is not None, and creates
+    state only for them. Under the layer-wise data-parallel wrapper each rank
+    holds a gradient only for the parameters it owns, so each rank steps (and
+    stores momentum for) exactly its own parameters: Newton-Schulz sees the
+    whole matrix on one rank, and optimizer state exists once in the world.
+    Nothing in this module knows about ranks; the wrapper decides by setting
+    ``.grad`` or leaving it None.
+
+Note [parity with torch.optim.Muon]
+    The per-matrix path (:func:`newton_schulz_reference`, used when
+    ``batched=False`` or when a shape occurs once) performs the same tensor
+    operations in the same order as ``torch.optim.Muon`` (2.13): cast to
+    ``ns_dtype``, transpose tall matrices, divide by ``norm().clamp(min=eps)``,
+    then ``addmm`` for ``b*A + c*A@A`` and for ``a*X + B@X``. With the same
+    hyperparameters the updates are therefore bit-identical on CPU in bf16.
+    The momentum rule also follows torch: ``buf.lerp_(grad, 1 - momentum)``
+    (an EMA, which is ``(1 - momentum)`` times the classical ``buf = momentum
+    * buf + grad``; Newton-Schulz normalises the scale away, so only the
+    relative weight of grad and history matters).
+
+Note [batched Newton-Schulz]
+    Matrices of one shape, dtype and device are stacked and orthogonalised in
+    one call of batched matmuls (``baddbmm``), so a model with n_layer
+    identical blocks issues four launches per NS iteration instead of
+    4 * n_layer. The Frobenius norm is taken per matrix, so the result equals
+    the per-matrix path up to the rounding of the batched kernels.
+
+Note [defaults of the two group kinds]
+    ``Optimizer.__init__`` fills every missing group key from ``defaults``, so
+    a plain ``defaults["lr"]`` would hand the Muon lr to AdamW groups.
+    :meth:`Muon.add_param_group` therefore fills an AdamW group's ``lr``,
+    ``betas``, ``eps`` and ``weight_decay`` from the ``adamw_*`` arguments
+    *before* the base class fills the rest. Both kinds keep their learning
+    rate under the key ``"lr"``, so LR schedulers scale both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, Union
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as _functional_adamw
+
+__all__ = [
+    "NS_SCHEDULES",
+    "Muon",
+    "adjust_lr_scale",
+    "muon_step",
+    "muon_update",
+    "newton_schulz",
+    "newton_schulz_reference",
+    "orthogonalize",
+    "resolve_ns_coefficients",
+]
+
+Triple = tuple[float, float, float]
+NSCoefficients = Union[str, Triple, Sequence[Triple]]
+AdjustLR = Literal["original", "match_rms_adamw", "spectral"]
+NSDtype = Union[torch.dtype, Literal["bfloat16", "float16", "float32", "float64"]]
+
+# Per-step (a, b, c) of the odd quintic p(x) = a x + b x^3 + c x^5 applied to the
+# singular values. A schedule shorter than ns_steps repeats its last triple.
+NS_SCHEDULES: dict[str, tuple[Triple, ...]] = {
+    # Keller Jordan's single triple (also torch.optim.Muon's default): steepest
+    # slope at 0, converges to a band of roughly [0.7, 1.2] rather than to 1.
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    # Per-step triples tuned by You Jiacheng, as used in KellerJordan/modded-nanogpt
+    # train_gpt_medium.py (zeropower_via_newtonschulz5).
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932), the
+    # five triples modded-nanogpt train_gpt.py ships ("num_iters=5,
+    # safety_factor=2e-2, cushion=2"): minimax-optimal per step, so small
+    # singular values are lifted much faster than by a fixed polynomial.
+    "polar_express": (
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ),
+}
+
+_ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+
+# ---------------------------------------------------------------------------
+# Pure maths
+# ---------------------------------------------------------------------------
+
+
+def resolve_ns_coefficients(coefficients: NSCoefficients, steps: int) -> tuple[Triple, ...]:
+    """Expand a schedule name, one triple, or a list of triples to exactly ``steps`` triples.
+
+    A schedule shorter than ``steps`` repeats its last triple; a longer one is cut.
+    """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"ns_steps={steps!r} is invalid: Newton-Schulz needs at least one iteration; pass ns_steps=5")
+    if isinstance(coefficients, str):
+        if coefficients not in NS_SCHEDULES:
+            raise ValueError(
+                f"ns_coefficients={coefficients!r} is not a known schedule; use one of "
+                f"{sorted(NS_SCHEDULES)}, one (a, b, c) triple, or a sequence of triples"
+            )
+        schedule = NS_SCHEDULES[coefficients]
+    else:
+        try:
+            seq = list(coefficients)
+        except TypeError:
+            seq = None
+        if seq is not None and len(seq) == 3 and all(isinstance(v, (int, float)) for v in seq):
+            schedule = (tuple(float(v) for v in seq),)
+        elif seq and all(_is_triple(t) for t in seq):
+            schedule = tuple(tuple(float(v) for v in t) for t in seq)
+        else:
+            raise ValueError(
+                f"ns_coefficients={coefficients!r} is not a schedule name, an (a, b, c) triple of numbers "
+                f"or a non-empty sequence of such triples; e.g. ns_coefficients='simple' or (3.4445, -4.775, 2.0315)"
+            )
+    return tuple(schedule[min(i, len(schedule) - 1)] for i in range(steps))  # type: ignore[misc]
+
+
+def _is_triple(t: Any) -> bool:
+    try:
+        return len(t) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in t)
+    except TypeError:
+        return False
+
+
+def newton_schulz_reference(
+    G: Tensor,
+    steps: int = 5,
+    coefficients: NSCoefficients = "simple",
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Orthogonalise one matrix, op for op like ``torch.optim.Muon`` (the slow path).
+
+    Returns an approximation of ``U V^T`` (``G = U S V^T``) in ``dtype`` with G's shape.
+    See Note [parity with torch.optim.Muon].
+    """
+    if G.ndim != 2:
+        raise ValueError(f"newton_schulz_reference takes one matrix; got shape {tuple(G.shape)}. Use newton_schulz for a batch")
+    coeffs = resolve_ns_coefficients(coefficients, steps)
+    X = G.to(dtype)
+    tall = G.size(0) > G.size(1)
+    if tall:
+        # Work on the wide side so the Gram matrix X X^T is the small (min, min) one.
+        X = X.T
+    # Frobenius norm >= spectral norm, so after this every singular value is <= 1,
+    # inside the interval the polynomials are designed for.
+    X = X / X.norm().clamp(min=eps)
+    for a, b, c in coeffs:
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
+        X = torch.addmm(X, B, X, beta=a)  # a*X + B@X
+    return X.T if tall else X
+
+
+def newton_schulz(
+    G: Tensor,
+    steps: int = 5,
+    coefficients: NSCoefficients = "simple",
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """Orthogonalise the matrices in the last two dims of ``G``, batched over leading dims.
+
+    ``G`` of shape ``(*batch, m, n)`` returns ``(*batch, m, n)`` in ``dtype``; each
+    matrix is normalised by its own Frobenius norm. A 2-D ``G`` takes the per-matrix
+    path, so one matrix gives exactly :func:`newton_schulz_reference`'s result.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a tensor with >= 2 dims; got shape {tuple(G.shape)}")
+    if G.ndim == 2:
+        return newton_schulz_reference(G, steps, coefficients, eps, dtype)
+    coeffs = resolve_ns_coefficients(coefficients, steps)
+    batch_shape, (m, n) = G.shape[:-2], G.shape[-2:]
+    X = G.to(dtype).reshape(-1, m, n)
+    tall = m > n
+    if tall:
+        X = X.mT
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for a, b, c in coeffs:
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
+    if tall:
+        X = X.mT
+    return X.reshape(*batch_shape, m, n)
+
+
+def orthogonalize(
+    matrices: Sequence[Tensor],
+    steps: int = 5,
+    coefficients: NSCoefficients = "simple",
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+    batched: bool = True,
+) -> list[Tensor]:
+    """Newton-Schulz on a list of 2-D matrices; same-shape ones share one batched call.
+
+    See Note [batched Newton-Schulz]. Output ``i`` corresponds to input ``i``.
+    """
+    out: list[Tensor | None] = [None] * len(matrices)
+    if not batched:
+        return [newton_schulz_reference(M, steps, coefficients, eps, dtype) for M in matrices]
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, M in enumerate(matrices):
+        if M.ndim != 2:
+            raise ValueError(f"orthogonalize takes 2-D matrices; matrix {i} has shape {tuple(M.shape)}")
+        buckets[(tuple(M.shape), M.dtype, M.device)].append(i)
+    for idx in buckets.values():
+        if len(idx) == 1:
+            out[idx[0]] = newton_schulz_reference(matrices[idx[0]], steps, coefficients, eps, dtype)
+            continue
+        stacked = newton_schulz(torch.stack([matrices[i] for i in idx]), steps, coefficients, eps, dtype)
+        for i, O in zip(idx, stacked.unbind(0)):
+            out[i] = O
+    return out  # type: ignore[return-value]
+
+
+def adjust_lr_scale(shape: Sequence[int], mode: AdjustLR | None = "original") -> float:
+    """Factor multiplying the Muon lr for a parameter of ``shape`` (rows = shape[0]).
+
+    A tensor with more than two dims counts as a ``(shape[0], prod(shape[1:]))`` matrix.
+
+    - ``"original"``: ``sqrt(max(1, rows/cols))`` (Keller Jordan; torch's default).
+    - ``"match_rms_adamw"``: ``0.2 * sqrt(max(rows, cols))`` (Moonshot), update RMS ~ AdamW's.
+    - ``"spectral"``: ``sqrt(rows/cols)``, the spectral-norm scaling sqrt(fan_out/fan_in).
+    - ``None``: 1.
+    """
+    if len(shape) < 2:
+        raise ValueError(f"adjust_lr_scale needs a matrix shape; got {tuple(shape)}")
+    rows, cols = int(shape[0]), math.prod(int(s) for s in shape[1:])
+    if mode == "original":
+        return math.sqrt(max(1, rows / cols))
+    if mode == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if mode == "spectral":
+        return math.sqrt(rows / cols)
+    if mode is None:
+        return 1.0
+    raise ValueError(f"adjust_lr={mode!r} is not supported; use one of {list(_ADJUST_LR_MODES)}")
+
+
+def muon_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """Advance ``momentum_buffer`` in place and return the direction to orthogonalise.
+
+    Follows torch: ``buf <- lerp(buf, grad, 1 - momentum)``; the direction is
+    ``lerp(grad, buf, momentum)`` with Nesterov, else ``buf``. ``grad`` is not modified.
+    """
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def muon_step(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: float,
+    ns_steps: int,
+    ns_coefficients: NSCoefficients,
+    ns_eps: float,
+    ns_dtype: torch.dtype,
+    adjust_lr: AdjustLR | None,
+    batched: bool,
+) -> None:
+    """One Muon step on lists of parameters (updated in place) and their momentum buffers.
+
+    For each parameter: momentum (:func:`muon_update`), Newton-Schulz on the
+    ``(out, rest)`` matrix view, decoupled weight decay ``p *= 1 - lr*wd`` (with the
+    unscaled lr, as torch), then ``p -= lr * adjust_lr_scale(shape) * O``.
+    """
+    if not params:
+        return
+    directions = [muon_update(g, buf, momentum, nesterov) for g, buf in zip(grads, momentum_buffers)]
+    # Conv kernels (out, in, kh, kw) are orthogonalised as (out, in*kh*kw) matrices.
+    matrices = [d.reshape(d.size(0), -1) for d in directions]
+    ortho = orthogonalize(matrices, ns_steps, ns_coefficients, ns_eps, ns_dtype, batched)
+    for p, O in zip(params, ortho):
+        scaled_lr = lr * adjust_lr_scale(p.shape, adjust_lr)
+        p.mul_(1 - lr * weight_decay)
+        # A bf16 O added to an fp32 p is promoted exactly, as in torch.optim.Muon.
+        p.add_(O.reshape(p.shape), alpha=-scaled_lr)
+
+
+# ---------------------------------------------------------------------------
+# Validation helpers: every message names the argument, the value and a fix
+# ---------------------------------------------------------------------------
+
+
+def _check_nonneg(where: str, name: str, value: Any, example: str) -> None:
+    if isinstance(value, Tensor):
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+        raise ValueError(f"{where}{name}={value!r} is invalid: it must be a number >= 0, e.g. {name}={example}")
+
+
+def _check_momentum(where: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
+        raise ValueError(f"{where}momentum={value!r} is invalid: it must lie in [0, 1), e.g. momentum=0.95")
+
+
+def _check_betas(where: str, name: str, value: Any) -> None:
+    ok = False
+    try:
+        b1, b2 = value
+        ok = all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in (b1, b2))
+    except (TypeError, ValueError):
+        pass
+    if not ok:
+        raise ValueError(f"{where}{name}={value!r} is invalid: it must be two numbers in [0, 1), e.g. {name}=(0.9, 0.95)")
+
+
+def _check_ns(where: str, coefficients: Any, steps: Any) -> None:
+    try:
+        resolve_ns_coefficients(coefficients, steps)
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+
+
+def _check_adjust_lr(where: str, value: Any) -> None:
+    if value not in _ADJUST_LR_MODES:
+        raise ValueError(f"{where}adjust_lr={value!r} is not supported; use one of {list(_ADJUST_LR_MODES)}")
+
+
+def _resolve_dtype(where: str, value: Any) -> torch.dtype:
+    if isinstance(value, str) and value in _DTYPE_NAMES:
+        return _DTYPE_NAMES[value]
+    if isinstance(value, torch.dtype) and value.is_floating_point:
+        return value
+    raise ValueError(
+        f"{where}ns_dtype={value!r} is invalid: use a floating dtype, e.g. ns_dtype=torch.bfloat16 "
+        f"(fast) or torch.float32 (exact); strings {sorted(_DTYPE_NAMES)} are accepted too"
+    )
+
+
+def _split_names(params: list[Any]) -> tuple[list[Tensor], list[str | None]]:
+    """Tensors and names of a group's params, which may be tensors or (name, tensor) pairs."""
+    tensors, names = [], []
+    for p in params:
+        if isinstance(p, tuple) and len(p) == 2:
+            names.append(p[0])
+            tensors.append(p[1])
+        else:
+            names.append(None)
+            tensors.append(p)
+    return tensors, names
+
+
+# ---------------------------------------------------------------------------
+# The optimizer
+# ---------------------------------------------------------------------------
+
+
+class Muon(Optimizer):
+    r"""Muon (MomentUm Orthogonalized by Newton-Schulz) for ``use_muon=True`` groups, AdamW for the rest.
+
+    For a matrix parameter :math:`W` with gradient :math:`G`:
+
+    .. math::
+        B \leftarrow \mu B + (1-\mu) G, \quad
+        D = \begin{cases} (1-\mu) G + \mu B & \text{nesterov} \\ B \end{cases}, \quad
+        O = \mathrm{NS}_k(D), \quad
+        W \leftarrow (1 - \eta\lambda) W - \eta\, s(W)\, O
+
+    where :math:`\mathrm{NS}_k` is ``ns_steps`` Newton-Schulz iterations and :math:`s` the
+    ``adjust_lr`` scale. Groups with ``use_muon=False`` run ``torch.optim.AdamW``'s update
+    (its functional API) with state ``step``, ``exp_avg``, ``exp_avg_sq``.
+
+    Args:
+        params: parameters or param-group dicts. A plain iterable of tensors (or of
+            ``(name, tensor)`` pairs) is split into a Muon group (``ndim >= 2``) and an
+            AdamW group (the rest). A dict group without ``use_muon`` becomes a Muon
+            group if all its params have ``ndim >= 2`` and an AdamW group if none has;
+            a mixed group is rejected (split it or use :func:`muon_param_groups`).
+        lr: Muon learning rate (before the ``adjust_lr`` scale).
+        momentum: Muon momentum, in [0, 1).
+        nesterov: use the Nesterov direction.
+        weight_decay: decoupled weight decay of Muon groups (``p *= 1 - lr*wd``).
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: ``"simple"``, ``"quintic"``, ``"polar_express"``, one ``(a, b, c)``
+            triple for every step, or a per-step sequence of triples (the last repeats).
+        ns_eps: floor of the Frobenius norm that normalises the input.
+        ns_dtype: dtype of the iteration (bf16 is fast; float32 for exact tests).
+        adjust_lr: per-shape lr scale, see :func:`adjust_lr_scale`.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults;
+            a group's own ``lr``/``betas``/``eps``/``weight_decay`` keys win.
+        batched: orthogonalise same-shape matrices in one batched call.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: NSCoefficients = "simple",
+        ns_eps: float = 1e-7,
+        ns_dtype: NSDtype = torch.bfloat16,
+        adjust_lr: AdjustLR | None = "original",
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        batched: bool = True,
+    ) -> None:
+        where = "Muon: "
+        _check_nonneg(where, "lr", lr, "0.02")
+        _check_momentum(where, momentum)
+        _check_nonneg(where, "weight_decay", weight_decay, "0.0")
+        _check_ns(where, ns_coefficients, ns_steps)
+        _check_nonneg(where, "ns_eps", ns_eps, "1e-7")
+        ns_dtype = _resolve_dtype(where, ns_dtype)
+        _check_adjust_lr(where, adjust_lr)
+        _check_nonneg(where, "adamw_lr", adamw_lr, "3e-4")
+        _check_betas(where, "adamw_betas", adamw_betas)
+        _check_nonneg(where, "adamw_eps", adamw_eps, "1e-8")
+        _check_nonneg(where, "adamw_weight_decay", adamw_weight_decay, "0.0")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_eps=ns_eps,
+            ns_dtype=ns_dtype,
+            adjust_lr=adjust_lr,
+            adamw_lr=adamw_lr,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+            batched=batched,
+        )
+        super().__init__(self._route_plain_params(params), defaults)
+
+    @staticmethod
+    def _route_plain_params(params: Any) -> Any:
+        """Split a plain iterable of tensors by ndim; pass dict groups through unchanged."""
+        if isinstance(params, Tensor):
+            params = [params]
+        params = list(params)
+        if not params or isinstance(params[0], dict):
+            return params
+        tensors, _ = _split_names(params)
+        matrices = [p for p, t in zip(params, tensors) if t.ndim >= 2]
+        others = [p for p, t in zip(params, tensors) if t.ndim < 2]
+        groups = [{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}]
+        return [g for g in groups if g["params"]]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; see Note [defaults of the two group kinds] for how keys are filled."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        gi = len(self.param_groups)
+        where = f"Muon param group {gi}: "
+        params = param_group["params"]
+        if not isinstance(params, (Tensor, set)):
+            param_group["params"] = params = list(params)  # a generator must survive two passes
+        tensors, names = _split_names([params] if isinstance(params, Tensor) else list(params))
+        use_muon = param_group.get("use_muon")
+        if use_muon is None:
+            is_matrix = [t.ndim >= 2 for t in tensors if isinstance(t, Tensor)]
+            if any(is_matrix) and not all(is_matrix):
+                i = is_matrix.index(False)
+                raise ValueError(
+                    f"{where}has no 'use_muon' key and mixes matrices (ndim >= 2) with parameters of "
+                    f"ndim < 2 (parameter {i}{_label(names[i])} has shape {tuple(tensors[i].shape)}); "
+                    f"set 'use_muon' explicitly, split the group, or build the groups with muon_param_groups(model)"
+                )
+            use_muon = all(is_matrix)
+        if not isinstance(use_muon, bool):
+            raise ValueError(f"{where}use_muon={use_muon!r} is invalid: it must be True or False")
+        param_group["use_muon"] = use_muon
+
+        if use_muon:
+            for i, t in enumerate(tensors):
+                if isinstance(t, Tensor) and t.ndim < 2:
+                    raise ValueError(
+                        f"{where}parameter {i}{_label(names[i])} has shape {tuple(t.shape)} (ndim={t.ndim}) but "
+                        f"the group has use_muon=True; Newton-Schulz needs a matrix. Put it in a use_muon=False "
+                        f"group or use muon_param_groups(model)"
+                    )
+        else:
+            param_group.setdefault("lr", self.defaults["adamw_lr"])
+            param_group.setdefault("betas", self.defaults["adamw_betas"])
+            param_group.setdefault("eps", self.defaults["adamw_eps"])
+            param_group.setdefault("weight_decay", self.defaults["adamw_weight_decay"])
+        self._validate_group(where, param_group)
+        super().add_param_group(param_group)
+        if "ns_dtype" in param_group:
+            param_group["ns_dtype"] = _resolve_dtype(where, param_group["ns_dtype"])
+
+    def _validate_group(self, where: str, group: dict[str, Any]) -> None:
+        """Check the keys a group set itself (the defaults were checked in __init__)."""
+        if "lr" in group:
+            _check_nonneg(where, "lr", group["lr"], "0.02" if group["use_muon"] else "3e-4")
+        if "weight_decay" in group:
+            _check_nonneg(where, "weight_decay", group["weight_decay"], "0.0")
+        if group["use_muon"]:
+            if "momentum" in group:
+                _check_momentum(where, group["momentum"])
+            if "ns_steps" in group or "ns_coefficients" in group:
+                _check_ns(
+                    where,
+                    group.get("ns_coefficients", self.defaults["ns_coefficients"]),
+                    group.get("ns_steps", self.defaults["ns_steps"]),
+                )
+            if "adjust_lr" in group:
+                _check_adjust_lr(where, group["adjust_lr"])
+            if "ns_dtype" in group:
+                _resolve_dtype(where, group["ns_dtype"])
+        else:
+            _check_betas(where, "betas", group["betas"])
+            _check_nonneg(where, "eps", group["eps"], "1e-8")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One step over every parameter that has a ``.grad``; see Note [layer-wise stepping]."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._step_muon(group)
+            else:
+                self._step_adamw(group)
+        return loss
+
+    def _params_with_grad(self, group: dict[str, Any]) -> list[Tensor]:
+        out = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            out.append(p)
+        return out
+
+    def _step_muon(self, group: dict[str, Any]) -> None:
+        params = self._params_with_grad(group)
+        if any(torch.is_complex(p) for p in params):
+            raise RuntimeError("Muon does not support complex parameters")
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        muon_step(
+            params,
+            [p.grad for p in params],
+            bufs,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            ns_steps=group["ns_steps"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_eps=group["ns_eps"],
+            ns_dtype=group["ns_dtype"],
+            adjust_lr=group["adjust_lr"],
+            batched=group["batched"],
+        )
+
+    def _step_adamw(self, group: dict[str, Any]) -> None:
+        params = self._params_with_grad(group)
+        if not params:
+            return
+        exp_avgs, exp_avg_sqs, steps = [], [], []
+        for p in params:
+            state = self.state[p]
+            if len(state) == 0:
+                # Same keys, dtypes and devices as torch.optim.AdamW (step on CPU, fp32
+                # unless the default dtype is fp64), so state bytes and checkpoints compare.
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _functional_adamw(
+            params,
+            [p.grad for p in params],
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            has_complex=any(torch.is_complex(p) for p in params),
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+
+def _label(name: str | None) -> str:
+    return f" ({name!r})" if name else ""

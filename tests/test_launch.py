@@ -1,0 +1,88 @@
+"""Every launch mode runs a short fit on CPU (gloo) and all ranks end with the same parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _dist import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "tests" / "launch_script.py")
+pytestmark = pytest.mark.slow
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_")) and k not in
+           ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "LOCAL_WORLD_SIZE")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> None:
+    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+
+
+def records(outdir: Path, world: int) -> list[dict]:
+    found = sorted(outdir.glob("rank*.json"))
+    assert len(found) == world, [p.name for p in found]
+    recs = [json.loads(p.read_text()) for p in found]
+    assert sorted(r["global_rank"] for r in recs) == list(range(world))
+    for r in recs:
+        assert r["world_size"] == world and r["strategy"] == "LayerwiseStrategy" and r["global_step"] == 4
+        assert abs(r["checksum"] - recs[0]["checksum"]) < 1e-9, "every rank holds the same parameters"
+    return recs
+
+
+@pytest.mark.parametrize("strategy", ["layerwise", "layerwise_spawn"])
+def test_devices_on_one_machine(tmp_path, strategy):
+    run([sys.executable, SCRIPT, str(tmp_path), "--strategy", strategy, "--devices", "2"],
+        clean_env(MASTER_PORT=str(free_port())))
+    records(tmp_path, 2)
+
+
+def test_torchrun(tmp_path):
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+         SCRIPT, str(tmp_path), "--strategy", "layerwise", "--devices", "2"], clean_env())
+    recs = records(tmp_path, 2)
+    assert {r["environment"] for r in recs} == {"TorchElasticEnvironment"}
+
+
+def test_slurm_environment_variables(tmp_path):
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = clean_env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank),
+                        SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="layerwise",
+                        SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), "--strategy", "layerwise",
+                                       "--devices", "2"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-5000:]
+    recs = records(tmp_path, 2)
+    assert {r["environment"] for r in recs} == {"SLURMEnvironment"}
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    port = str(free_port())
+    procs = []
+    for node in range(2):
+        env = clean_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), "--strategy", "layerwise",
+                                       "--devices", "1", "--num_nodes", "2"], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err[-5000:]
+    recs = records(tmp_path, 2)
+    assert sorted(r["node_rank"] for r in recs) == [0, 1]
