@@ -467,7 +467,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     import importlib
 
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_layerwise.layout",
+        prog="python -m lightning_layerwise",
         description="Print the shard-aligned layout (padding, buckets, per-rank cost) of a model.",
     )
     parser.add_argument("model", nargs="?", default="examples.gpt:example_gpt",

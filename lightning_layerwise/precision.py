@@ -67,3 +67,66 @@ def agree_on_found_inf(scaler: torch.amp.GradScaler, strategy: "LayerwiseStrateg
         state["found_inf_per_device"] = {device: total}
 
     scaler.unscale_ = unscale_agreed
+
+
+class MasterWeights:
+    """Float32 master copies of the owned low-precision parameters (``bf16-true``, ``16-true``).
+
+    With a half-precision model, stepping the half-precision parameters
+    directly loses small updates to rounding. Each rank keeps a float32 copy of
+    the parameters it *owns* only (1/world of the model), puts those copies in
+    the optimizer in place of the half-precision ones, and after each step
+    writes them back into the param buffer, from where the all-gather spreads
+    them. The copies' gradients are views of the float32 gradient buffer
+    (the strategy reduces half-precision gradients in float32), so clipping and
+    the optimizer see the same tensors.
+    """
+
+    def __init__(self, wrapper, optimizer: torch.optim.Optimizer) -> None:
+        self.wrapper = wrapper
+        self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        swap = {}
+        for name, p in wrapper.named_owned_parameters():
+            if p.dtype in (torch.bfloat16, torch.float16):
+                master = torch.nn.Parameter(p.detach().float().clone())
+                swap[p] = master
+                self.pairs.append((p, master))
+        self.names = {master: name for name, p in wrapper.named_owned_parameters()
+                      for master in [swap.get(p)] if master is not None}
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(p, p) for p in group["params"]]
+        for p, master in swap.items():
+            if p in optimizer.state:  # state created before the swap follows its parameter
+                optimizer.state[master] = optimizer.state.pop(p)
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel() for _, m in self.pairs)
+
+    def attach_grads(self) -> None:
+        """Gives every master the reduced gradient of its parameter (None if it has none)."""
+        for p, master in self.pairs:
+            if p.grad is None:
+                master.grad = None
+            else:
+                main_grad = p.main_grad
+                master.grad = main_grad if main_grad.dtype == torch.float32 else main_grad.float()
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copies the masters into the model's (half-precision) parameters, i.e. the param buffer."""
+        for p, master in self.pairs:
+            p.copy_(master)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's masters by parameter name (on CPU)."""
+        return {self.names[m]: m.detach().cpu() for _, m in self.pairs}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restores the owned masters from a full ``{name: tensor}`` mapping and writes them back."""
+        for p, master in self.pairs:
+            name = self.names[master]
+            if name in state:
+                master.copy_(state[name])
+        self.write_back()

@@ -29,7 +29,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE
-from .precision import adapt_precision_plugin
+from .precision import MasterWeights, adapt_precision_plugin
 from .process_groups import ProcessGroups
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +125,7 @@ class LayerwiseStrategy(DDPStrategy):
         self.grad_reduce_dtype = grad_reduce_dtype
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
+        self._masters: Optional[MasterWeights] = None
 
     # --- accelerators ----------------------------------------------------------------
     @property
@@ -160,9 +161,18 @@ class LayerwiseStrategy(DDPStrategy):
             overlap_grad_reduce=self.overlap_grad_reduce,
             overlap_param_gather=self.overlap_param_gather,
             prefetch_depth=self.prefetch_depth,
-            grad_reduce_dtype=_DTYPES[self.grad_reduce_dtype] if self.grad_reduce_dtype else None,
+            grad_reduce_dtype=self._grad_reduce_dtype(),
             broadcast_buffers=self.broadcast_buffers,
         )
+
+    def _half_true(self) -> bool:
+        return isinstance(self.precision_plugin, HalfPrecision)
+
+    def _grad_reduce_dtype(self) -> Optional[torch.dtype]:
+        if self.grad_reduce_dtype is not None:
+            return _DTYPES[self.grad_reduce_dtype]
+        # bf16-true / 16-true: reduce and keep gradients in float32 for the float32 master weights.
+        return torch.float32 if self._half_true() else None
 
     @override
     def setup(self, trainer) -> None:
@@ -170,6 +180,8 @@ class LayerwiseStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_optimizers()
             adapt_precision_plugin(self.precision_plugin, self)
+            if self._half_true() and self.optimizers:
+                self._masters = MasterWeights(self.wrapper, self.optimizers[0])
 
     def _check_optimizers(self) -> None:
         if len(self.optimizers) > 1:
@@ -198,6 +210,8 @@ class LayerwiseStrategy(DDPStrategy):
         wrapper = self.wrapper
         if wrapper is not None and wrapper._micro_batch_is_last:
             wrapper.finish_grad_sync()
+            if self._masters is not None:
+                self._masters.attach_grads()
 
     @override
     def optimizer_step(
@@ -210,6 +224,8 @@ class LayerwiseStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         wrapper = self.wrapper
         if wrapper is not None:
+            if self._masters is not None:
+                self._masters.write_back()
             wrapper.start_param_sync()
         return output
 
@@ -251,19 +267,22 @@ class LayerwiseStrategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         local = optimizer.state_dict()
-        if not _distributed_is_initialized() or dist.get_world_size() == 1:
-            return local
-        cpu_state = {k: _to_cpu(v) for k, v in local["state"].items()}
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, cpu_state)
-        merged: dict = {}
-        for part in gathered:
-            merged.update(part)
-        return {"state": dict(sorted(merged.items())), "param_groups": local["param_groups"]}
+        distributed = _distributed_is_initialized() and dist.get_world_size() > 1
+        full = {"state": local["state"], "param_groups": local["param_groups"]}
+        if distributed:
+            full["state"] = _merge_by_rank({k: _to_cpu(v) for k, v in local["state"].items()})
+        if self._masters is not None:
+            masters = self._masters.state_dict()
+            full["master_weights"] = _merge_by_rank(masters) if distributed else masters
+        return full
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        states = checkpoint["optimizer_states"]
+        masters = [s.pop("master_weights", None) for s in states]
         super().load_optimizer_state_dict(checkpoint)
+        if self._masters is not None and masters and masters[0] is not None:
+            self._masters.load_state_dict(masters[0])
         wrapper = self.wrapper
         if wrapper is None:
             return
@@ -280,6 +299,7 @@ class LayerwiseStrategy(DDPStrategy):
             wrapper.finish_param_sync()
             wrapper.release()
             self.model = self.lightning_module
+            self._masters = None
         super().teardown()
 
     @classmethod
@@ -291,6 +311,16 @@ class LayerwiseStrategy(DDPStrategy):
                 name, cls, description=f"Layer-wise distributed optimizer, start_method='{start_method}'",
                 start_method=start_method, override=True,
             )
+
+
+def _merge_by_rank(part: dict) -> dict:
+    """Every rank's disjoint ``part`` merged into one dict, on every rank (collective)."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, part)
+    merged: dict = {}
+    for other in gathered:
+        merged.update(other)
+    return dict(sorted(merged.items()))
 
 
 def _to_cpu(value):

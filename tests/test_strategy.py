@@ -257,3 +257,80 @@ def _multi_opt_worker(rank, world):
 def test_more_than_one_optimizer_is_a_clear_error():
     for message in run_distributed(_multi_opt_worker, WORLD):
         assert message and "one optimizer" in message
+
+
+def _bf16_true_worker(rank, world, steps):
+    model = Regressor(optimizer="adamw")
+    train, _ = loaders()
+    info = {}
+
+    class Inspect(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            masters = trainer.strategy._masters
+            info["master_numel"] = masters.numel
+            info["master_dtypes"] = {m.dtype for _, m in masters.pairs}
+            opt = trainer.optimizers[0]
+            info["optimizer_holds_masters"] = all(
+                any(p is m for g in opt.param_groups for p in g["params"]) for _, m in masters.pairs)
+            info["param_dtypes"] = {p.dtype for p in pl_module.parameters()}
+
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="layerwise", max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision="bf16-true", callbacks=[Inspect()])
+    trainer.fit(model, train)
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}, info
+
+
+def bf16_master_reference(steps: int) -> dict[str, torch.Tensor]:
+    """One process, bf16 model with float32 master weights stepped by AdamW.
+
+    The gradient is formed as the ranks form it: each rank's batch (the
+    DistributedSampler Lightning injects, shuffled with seed 0) backpropagates
+    in bf16, and the float32 gradient buffer averages them.
+    """
+    from torch.utils.data import DistributedSampler
+
+    model = Regressor(optimizer="adamw").to(torch.bfloat16)
+    params = list(model.parameters())
+    masters = [nn.Parameter(p.detach().float().clone()) for p in params]
+    opt = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    data = loaders()[0].dataset
+    orders = [list(DistributedSampler(data, num_replicas=WORLD, rank=r, shuffle=True, seed=0)) for r in range(WORLD)]
+    for step in range(steps):
+        grads = [torch.zeros_like(m) for m in masters]
+        for rank in range(WORLD):
+            x, y = data[orders[rank][4 * step: 4 * step + 4]]
+            loss = nn.functional.mse_loss(model(x.to(torch.bfloat16)), y.to(torch.bfloat16))
+            loss.backward()
+            for g, p in zip(grads, params):
+                g += p.grad.float() / WORLD
+                p.grad = None
+        for m, g in zip(masters, grads):
+            m.grad = g
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return {n: p.detach().float() for n, p in model.named_parameters()}
+
+
+def test_bf16_true_keeps_float32_masters_for_owned_parameters_only():
+    steps = 6
+    results = run_distributed(_bf16_true_worker, WORLD, steps)
+    total = sum(p.numel() for p in Regressor().parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the workers: bf16 matmuls then round identically
+    try:
+        ref = bf16_master_reference(steps)
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(info["master_numel"] for _, info in results) == total, "each parameter has one master in the world"
+    for params, info in results:
+        assert info["master_dtypes"] == {torch.float32} and info["optimizer_holds_masters"]
+        assert info["param_dtypes"] == {torch.bfloat16}
+        assert info["master_numel"] < total
+        for n, value in params.items():
+            assert rel_err(value, ref[n]) <= 1e-6, (n, rel_err(value, ref[n]))
+    for n in results[0][0]:
+        assert torch.equal(results[0][0][n], results[1][0][n])

@@ -1,0 +1,666 @@
+"""Lightning Trainer features under strategy="layerwise", each against a reference run.
+
+The reference is ``strategy="ddp"`` on the same model, data and seed inside the same
+forked gloo worker (see ``tests/_dist.py``), so every value is compared rank by rank:
+checkpoint and resume (full optimizer state in the file, owned state after load),
+LR schedulers with ``LearningRateMonitor``, BatchNorm (plain, synchronised through a
+``LayerSync`` plugin, and ``sync_batchnorm=True``), validate/test/predict with uneven
+batch counts across ranks, ``fast_dev_run``/``max_steps``, manual optimization with and
+without ``clip_gradients``, teardown, and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.layer_sync import LayerSync
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_layerwise as llw
+from _dist import run_distributed
+
+WORLD = 2
+TOL = 1e-5
+
+
+# --- model, data, trainer -------------------------------------------------------------------------------------------
+
+class Net(L.LightningModule):
+    """A small regressor; options select the feature under test."""
+
+    def __init__(self, optimizer: str = "adamw", norm: str = "layer", scheduler: str | None = None,
+                 manual: bool = False, clip: float | None = None, compile_inner: bool = False):
+        super().__init__()
+        self.optimizer_name, self.scheduler_name, self.clip = optimizer, scheduler, clip
+        self.automatic_optimization = not manual
+        torch.manual_seed(0)
+        self.emb = nn.Linear(7, 24)
+        norm_layer = nn.LayerNorm(33) if norm == "layer" else nn.BatchNorm1d(33)
+        self.body = nn.Sequential(nn.Linear(24, 33), nn.GELU(), norm_layer, nn.Linear(33, 24))
+        self.head = nn.Linear(24, 3)
+        self.inner = torch.compile(self._inner) if compile_inner else self._inner
+        self.calls = {"train": 0, "val": 0, "test": 0, "predict": 0}
+
+    def _inner(self, x):
+        h = self.emb(x)
+        return self.head(h + self.body(h))
+
+    def forward(self, x):
+        return self.inner(x)
+
+    def training_step(self, batch, batch_idx):
+        self.calls["train"] += 1
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        if self.automatic_optimization:
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if self.clip is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+        opt.step()
+        return None
+
+    def validation_step(self, batch, batch_idx):
+        self.calls["val"] += 1
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+        self.log("val_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.calls["test"] += 1
+        x, y = batch
+        self.log("test_loss", nn.functional.l1_loss(self(x), y), sync_dist=True)
+        self.log("test_samples", float(len(x)), reduce_fx="sum", sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        self.calls["predict"] += 1
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        else:
+            opt = llw.Muon(llw.muon_param_groups(self), lr=0.02, adamw_lr=1e-2, ns_dtype=torch.float32)
+        if self.scheduler_name is None:
+            return opt
+        if self.scheduler_name == "step":
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        else:
+            sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups],
+                                                        total_steps=8, cycle_momentum=False)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def dataset(n: int, seed: int = 1) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 7, generator=g)
+    y = torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin(), x[:, 3:].sum(1)], dim=1)
+    return TensorDataset(x, y)
+
+
+def train_loader(n: int = 32, batch_size: int = 4) -> DataLoader:
+    """Sequential (no shuffle): with the distributed sampler every epoch shows each rank the same batches."""
+    return DataLoader(dataset(n), batch_size=batch_size)
+
+
+def make_trainer(strategy, root: str, **kwargs) -> L.Trainer:
+    options = dict(accelerator="cpu", devices=WORLD, strategy=strategy, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   default_root_dir=root)
+    options.update(kwargs)
+    return L.Trainer(**options)
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in module.state_dict().items()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+def assert_close_dicts(actual: dict, expected: dict, tol: float = TOL, what: str = "") -> None:
+    assert actual.keys() == expected.keys(), (what, sorted(actual), sorted(expected))
+    for k in expected:
+        if torch.is_tensor(expected[k]) and expected[k].is_floating_point():
+            err = rel_err(actual[k], expected[k])
+            assert err <= tol, (what, k, err)
+        elif torch.is_tensor(expected[k]):
+            assert torch.equal(actual[k], expected[k]), (what, k, actual[k], expected[k])
+        else:
+            assert actual[k] == pytest.approx(expected[k], rel=tol, abs=1e-7), (what, k, actual[k], expected[k])
+
+
+def assert_trained(after: dict, what: str = "") -> None:
+    initial = params_of(Net())
+    assert max(rel_err(after[n], initial[n]) for n in initial) > 1e-3, f"{what}: training changed nothing"
+
+
+def owns_storage(module: nn.Module) -> bool:
+    return all(type(p.data) is torch.Tensor and p.data.untyped_storage().nbytes() == p.numel() * p.element_size()
+               for p in module.parameters())
+
+
+# --- 1. checkpoint and resume ---------------------------------------------------------------------------------------
+
+class OptimizerStateProbe(L.Callback):
+    """Records which parameters the (raw) optimizer keeps state for, right after the restore and at the end."""
+
+    def __init__(self):
+        self.records = {}
+
+    def _record(self, trainer, pl_module, when):
+        opt = trainer.strategy.optimizers[0]
+        wrapper = trainer.strategy.wrapper
+        names = {p: n for n, p in pl_module.named_parameters()}
+        self.records[when] = {
+            "state_names": sorted(names[p] for p in opt.state),
+            "owned_names": sorted(n for p, n in names.items() if wrapper is not None and wrapper.owns(p)),
+            "wrapped": wrapper is not None,
+            "order": [names[p] for g in opt.param_groups for p in g["params"]],  # state_dict indices
+            "state": {names[p]: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                      for p, s in opt.state.items()},
+        }
+
+    def on_train_start(self, trainer, pl_module):
+        self._record(trainer, pl_module, "start")
+
+    def on_train_end(self, trainer, pl_module):
+        self._record(trainer, pl_module, "end")
+
+
+def _ckpt_callback(dirpath: str) -> ModelCheckpoint:
+    return ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=4, save_top_k=-1)
+
+
+def _load(path: str) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _resume_worker(rank, world, root, optimizer):
+    out = {}
+    # Reference: ddp, 8 steps, a checkpoint every 4 steps.
+    ddp_dir = os.path.join(root, f"ddp_{optimizer}")
+    model = Net(optimizer)
+    make_trainer("ddp", root, max_steps=8, enable_checkpointing=True,
+                 callbacks=[_ckpt_callback(ddp_dir)]).fit(model, train_loader())
+    out["ddp"] = params_of(model)
+
+    # Layerwise, 8 steps without interruption.
+    model = Net(optimizer)
+    make_trainer("layerwise", root, max_steps=8).fit(model, train_loader())
+    out["lw8"] = params_of(model)
+
+    # Layerwise, 4 steps; ModelCheckpoint writes during fit, save_checkpoint after fit (wrapper released).
+    lw_dir = os.path.join(root, f"lw_{optimizer}")
+    model = Net(optimizer)
+    trainer = make_trainer("layerwise", root, max_steps=4, enable_checkpointing=True,
+                           callbacks=[_ckpt_callback(lw_dir)])
+    trainer.fit(model, train_loader())
+    after_fit = os.path.join(lw_dir, "after_fit.ckpt")
+    trainer.save_checkpoint(after_fit)
+    out["lw4"] = params_of(model)
+    out["files"] = sorted(os.path.basename(f) for f in glob.glob(os.path.join(lw_dir, "*.ckpt")))
+
+    # A new Trainer resumes from the step-4 checkpoint for 4 more steps.
+    probe = OptimizerStateProbe()
+    model = Net(optimizer)
+    trainer = make_trainer("layerwise", root, max_steps=8, callbacks=[probe])
+    trainer.fit(model, train_loader(), ckpt_path=os.path.join(lw_dir, "step=4.ckpt"))
+    out["resumed"] = params_of(model)
+    out["resumed_step"] = trainer.global_step
+    out["probe"] = probe.records
+    out["n_params"] = sum(1 for p in model.parameters() if p.requires_grad)
+    if rank == 0:
+        out["ckpt_lw"] = _load(os.path.join(lw_dir, "step=4.ckpt"))
+        out["ckpt_lw_after_fit"] = _load(after_fit)
+        out["ckpt_ddp"] = _load(os.path.join(ddp_dir, "step=4.ckpt"))
+    return out
+
+
+def _assert_same_optimizer_state(actual: dict, expected: dict, what: str) -> None:
+    assert sorted(actual["state"]) == sorted(expected["state"]), what
+    for idx, entry in expected["state"].items():
+        assert sorted(actual["state"][idx]) == sorted(entry), (what, idx)
+        for key, value in entry.items():
+            got = actual["state"][idx][key]
+            if torch.is_tensor(value) and value.numel() > 1:
+                assert rel_err(got, value) <= TOL, (what, idx, key, rel_err(got, value))
+            else:
+                assert float(got) == pytest.approx(float(value), rel=TOL), (what, idx, key)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in actual["param_groups"]] == \
+           [{k: v for k, v in g.items() if k != "params"} for g in expected["param_groups"]], what
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_checkpoint_and_resume_equal_an_uninterrupted_run_and_ddp(optimizer, tmp_path):
+    results = run_distributed(_resume_worker, WORLD, str(tmp_path), optimizer)
+    n_params = results[0]["n_params"]
+    owned_by_rank = [set(r["probe"]["start"]["owned_names"]) for r in results]
+    assert set.union(*owned_by_rank) == set(results[0]["lw8"]), "every parameter has an owner"
+    assert sum(len(o) for o in owned_by_rank) == n_params, "and exactly one"
+    assert all(owned_by_rank), "both ranks own something (else the pruning check proves nothing)"
+
+    for rank, r in enumerate(results):
+        assert r["files"] == ["after_fit.ckpt", "step=4.ckpt"], r["files"]
+        assert r["resumed_step"] == 8
+        assert_trained(r["lw8"], "layerwise 8 steps")
+        assert_close_dicts(r["lw8"], r["ddp"], what=f"rank {rank}: 8 layerwise steps vs ddp")
+        assert_close_dicts(r["resumed"], r["lw8"], what=f"rank {rank}: 4 + 4 resumed vs 8 uninterrupted")
+        assert_close_dicts(r["resumed"], r["ddp"], what=f"rank {rank}: 4 + 4 resumed vs ddp")
+        for when in ("start", "end"):
+            rec = r["probe"][when]
+            assert rec["wrapped"], when
+            # After the load each rank keeps the state of the parameters it owns, and only those.
+            assert rec["state_names"] == rec["owned_names"], (rank, when, rec["state_names"], rec["owned_names"])
+
+    ckpt, after_fit, ddp_ckpt = results[0]["ckpt_lw"], results[0]["ckpt_lw_after_fit"], results[0]["ckpt_ddp"]
+    assert ckpt["global_step"] == ddp_ckpt["global_step"] == 4
+    # The file holds the FULL optimizer state: one entry for every parameter (all of them had gradients) ...
+    assert len(ckpt["optimizer_states"]) == 1
+    assert len(ckpt["optimizer_states"][0]["state"]) == n_params
+    assert len(after_fit["optimizer_states"][0]["state"]) == n_params
+    # ... equal to ddp's (which every rank holds whole), written during fit and after it.
+    _assert_same_optimizer_state(ckpt["optimizer_states"][0], ddp_ckpt["optimizer_states"][0], "ModelCheckpoint")
+    _assert_same_optimizer_state(after_fit["optimizer_states"][0], ddp_ckpt["optimizer_states"][0],
+                                 "save_checkpoint after fit")
+    assert_close_dicts(ckpt["state_dict"], ddp_ckpt["state_dict"], what="model weights in the checkpoint")
+    assert_close_dicts(ckpt["state_dict"], {f"{k}": v for k, v in results[0]["lw4"].items()},
+                       what="checkpoint weights are the current parameters")
+    # The state restored on each rank is the checkpoint's, for its owned parameters.
+    for r in results:
+        index = {n: i for i, n in enumerate(r["probe"]["start"]["order"])}
+        for name, entry in r["probe"]["start"]["state"].items():
+            saved = ckpt["optimizer_states"][0]["state"][index[name]]
+            for key, value in entry.items():
+                if torch.is_tensor(value) and value.numel() > 1:
+                    assert torch.equal(value, saved[key]), (name, key)
+
+
+# --- 2. LR scheduler and LearningRateMonitor ------------------------------------------------------------------------
+
+class MemoryLogger(Logger):
+    def __init__(self):
+        super().__init__()
+        self.logged: list[tuple[int, dict]] = []
+
+    @property
+    def name(self):
+        return "memory"
+
+    @property
+    def version(self):
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        self.logged.append((step, dict(metrics)))
+
+
+def _scheduler_worker(rank, world, root):
+    out = {}
+    for optimizer, scheduler in (("adamw", "step"), ("muon", "onecycle")):
+        for strategy in ("ddp", "layerwise"):
+            model = Net(optimizer, scheduler=scheduler)
+            logger = MemoryLogger()
+            trainer = make_trainer(strategy, root, max_steps=8, logger=logger, log_every_n_steps=1,
+                                   callbacks=[LearningRateMonitor(logging_interval="step")])
+            trainer.fit(model, train_loader())
+            lrs = [(step, {k: v for k, v in m.items() if k.startswith("lr-")}) for step, m in logger.logged]
+            out[(optimizer, strategy)] = {
+                "params": params_of(model),
+                "lrs": [(s, m) for s, m in lrs if m],
+                "final_lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+            }
+    return out
+
+
+@pytest.mark.slow
+def test_lr_scheduler_and_lr_monitor_match_ddp(tmp_path):
+    for rank, out in enumerate(run_distributed(_scheduler_worker, WORLD, str(tmp_path))):
+        for optimizer in ("adamw", "muon"):
+            ddp, lw = out[(optimizer, "ddp")], out[(optimizer, "layerwise")]
+            assert len(ddp["lrs"]) == 8, ddp["lrs"]
+            keys = set(ddp["lrs"][0][1])
+            assert len(keys) == (1 if optimizer == "adamw" else 2), keys  # Muon: one lr per param group
+            values = [v for _, m in ddp["lrs"] for v in m.values()]
+            assert len(set(values)) > 2, "the scheduler changed the lr"
+            assert [s for s, _ in lw["lrs"]] == [s for s, _ in ddp["lrs"]]
+            for (_, got), (_, want) in zip(lw["lrs"], ddp["lrs"]):
+                assert got.keys() == want.keys()
+                for k in want:
+                    assert got[k] == pytest.approx(want[k], rel=1e-12), (rank, optimizer, k)
+            assert lw["final_lr"] == pytest.approx(ddp["final_lr"], rel=1e-12)
+            assert_trained(lw["params"], optimizer)
+            assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} {optimizer}")
+
+
+# --- 3. BatchNorm: plain, synchronised through a LayerSync plugin, sync_batchnorm=True -----------------------------
+
+class CPUSyncBatchNorm1d(nn.BatchNorm1d):
+    """BatchNorm over the global batch, with an autograd-aware all-reduce (works on CPU/gloo).
+
+    ``torch.nn.SyncBatchNorm`` (what ``sync_batchnorm=True`` installs) refuses CPU tensors,
+    so this layer checks the strategy's handling of a synchronising ``LayerSync`` plugin.
+    """
+
+    def forward(self, x):
+        if not self.training:
+            return super().forward(x)
+        from torch.distributed.nn.functional import all_reduce
+
+        c = x.shape[1]
+        local = torch.cat([x.sum(0), (x * x).sum(0), x.new_full((1,), float(x.shape[0]))])
+        total = all_reduce(local)
+        count = total[-1]
+        mean = total[:c] / count
+        var = total[c:2 * c] / count - mean * mean
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
+            self.running_var.mul_(1 - self.momentum).add_(self.momentum * var * count / (count - 1))
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class CPUSyncBatchNormPlugin(LayerSync):
+    def apply(self, model):
+        for m in model.modules():
+            if type(m) is nn.BatchNorm1d:
+                m.__class__ = CPUSyncBatchNorm1d
+        return model
+
+    def revert(self, model):
+        for m in model.modules():
+            if type(m) is CPUSyncBatchNorm1d:
+                m.__class__ = nn.BatchNorm1d
+        return model
+
+
+def _batchnorm_worker(rank, world, root):
+    out = {}
+    for variant in ("plain", "layer_sync"):
+        for strategy in ("ddp", "layerwise"):
+            model = Net(norm="batch")
+            plugins = [CPUSyncBatchNormPlugin()] if variant == "layer_sync" else []
+            make_trainer(strategy, root, max_steps=6, plugins=plugins).fit(model, train_loader())
+            out[(variant, strategy)] = {"state": state_of(model), "bn_class": type(model.body[2]).__name__}
+    # sync_batchnorm=True installs torch.nn.SyncBatchNorm, which runs on GPUs only.
+    for strategy in ("ddp", "layerwise"):
+        model = Net(norm="batch")
+        try:
+            make_trainer(strategy, root, max_steps=2, sync_batchnorm=True).fit(model, train_loader())
+            error = None
+        except ValueError as e:
+            error = str(e)
+        out[("sync_batchnorm", strategy)] = {"error": error, "bn_class": type(model.body[2]).__name__,
+                                             "plain": owns_storage(model), "state": state_of(model)}
+    return out
+
+
+@pytest.mark.slow
+def test_batchnorm_and_sync_batchnorm_match_ddp(tmp_path):
+    results = run_distributed(_batchnorm_worker, WORLD, str(tmp_path))
+    for rank, out in enumerate(results):
+        for variant in ("plain", "layer_sync"):
+            ddp, lw = out[(variant, "ddp")], out[(variant, "layerwise")]
+            assert lw["bn_class"] == ddp["bn_class"]
+            assert_trained({k: v for k, v in lw["state"].items() if k in params_of(Net())}, variant)
+            # Parameters and the running statistics (broadcast from rank 0 before each forward, as ddp does).
+            assert_close_dicts(lw["state"], ddp["state"], what=f"rank {rank} {variant}")
+        assert out[("layer_sync", "layerwise")]["bn_class"] == "CPUSyncBatchNorm1d"
+        sync_rm = out[("layer_sync", "layerwise")]["state"]["body.2.running_mean"]
+        plain_rm = out[("plain", "layerwise")]["state"]["body.2.running_mean"]
+        assert rel_err(sync_rm, plain_rm) > 1e-3, "synchronised statistics differ from per-rank ones"
+        for strategy in ("ddp", "layerwise"):
+            res = out[("sync_batchnorm", strategy)]
+            assert res["bn_class"] == "SyncBatchNorm", res
+            assert res["error"] is not None and "SyncBatchNorm expected input tensor to be on GPU" in res["error"]
+        assert out[("sync_batchnorm", "layerwise")]["error"] == out[("sync_batchnorm", "ddp")]["error"]
+        assert out[("sync_batchnorm", "layerwise")]["plain"], "a failed fit still releases the flat buffers"
+    # With global statistics every rank updates the running stats identically; per-rank ones differ.
+    for strategy in ("ddp", "layerwise"):
+        a, b = (r[("layer_sync", strategy)]["state"] for r in results)
+        assert torch.allclose(a["body.2.running_mean"], b["body.2.running_mean"], rtol=1e-5, atol=1e-7)
+        a, b = (r[("plain", strategy)]["state"] for r in results)
+        assert not torch.allclose(a["body.2.running_mean"], b["body.2.running_mean"], rtol=1e-5, atol=1e-7)
+
+
+# --- 4. validate / test / predict, with uneven batch counts -------------------------------------------------------
+
+def _eval_loaders(rank: int) -> dict[str, DataLoader]:
+    """Rank 0 gets 5 samples (3 batches of 2), rank 1 gets 3 (2 batches): uneven batch counts."""
+    data = dataset(8, seed=7)
+    mine = torch.utils.data.Subset(data, range(5) if rank == 0 else range(5, 8))
+    return {"val": DataLoader(mine, batch_size=2), "test": DataLoader(mine, batch_size=2),
+            "predict": DataLoader(mine, batch_size=2)}
+
+
+def _rank_train_loader(rank: int) -> DataLoader:
+    data = dataset(32)
+    return DataLoader(torch.utils.data.Subset(data, range(rank, 32, WORLD)), batch_size=4)
+
+
+def _scalars(metrics_list) -> list[dict]:
+    return [{k: float(v) for k, v in m.items()} for m in metrics_list]
+
+
+def _evaluate(trainer, model, loaders):
+    return {
+        "validate": _scalars(trainer.validate(model, loaders["val"], verbose=False)),
+        "test": _scalars(trainer.test(model, loaders["test"], verbose=False)),
+        "predict": [p.clone() for p in trainer.predict(model, loaders["predict"])],
+    }
+
+
+def _eval_worker(rank, world, root):
+    loaders = _eval_loaders(rank)
+    out = {}
+    for strategy in ("ddp", "layerwise"):
+        res = {}
+        # Standalone, without fit (the strategy does not wrap the model for evaluation).
+        model = Net()
+        res["standalone"] = _evaluate(make_trainer(strategy, root, use_distributed_sampler=False), model, loaders)
+        res["standalone_calls"] = dict(model.calls)
+        # Fit with validation during fit (uneven batches, sanity check included), then evaluate with that Trainer.
+        model = Net()
+        trainer = make_trainer(strategy, root, max_steps=6, use_distributed_sampler=False, val_check_interval=2,
+                               num_sanity_val_steps=2)
+        trainer.fit(model, _rank_train_loader(rank), loaders["val"])
+        res["fit_val"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        res["fit_calls"] = dict(model.calls)
+        res["after_fit"] = _evaluate(trainer, model, loaders)
+        res["params"] = params_of(model)
+        # What the final parameters give on this rank's data, by plain forward.
+        with torch.no_grad():
+            model.eval()
+            x, y = next(iter(DataLoader(loaders["val"].dataset, batch_size=8)))
+            res["local_mse"] = float(nn.functional.mse_loss(model(x), y))
+        out[strategy] = res
+    return out
+
+
+@pytest.mark.slow
+def test_validate_test_predict_match_ddp_with_uneven_batches(tmp_path):
+    results = run_distributed(_eval_worker, WORLD, str(tmp_path), timeout=180)
+    for rank, out in enumerate(results):
+        ddp, lw = out["ddp"], out["layerwise"]
+        n_batches = 3 if rank == 0 else 2
+        assert lw["standalone_calls"] == ddp["standalone_calls"] == {
+            "train": 0, "val": n_batches, "test": n_batches, "predict": n_batches}
+        # 6 train steps; 2 sanity + 3 validations of all batches (2 sanity ones on each rank)
+        assert lw["fit_calls"] == ddp["fit_calls"], (lw["fit_calls"], ddp["fit_calls"])
+        assert lw["fit_calls"]["train"] == 6 and lw["fit_calls"]["val"] == 2 + 3 * n_batches
+        assert_trained(lw["params"])
+        assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} params")
+        assert lw["fit_val"].keys() == {"val_loss", "val_samples"}
+        assert_close_dicts(lw["fit_val"], ddp["fit_val"], what="validation during fit")
+        for phase in ("standalone", "after_fit"):
+            for kind in ("validate", "test"):
+                assert len(lw[phase][kind]) == 1
+                assert_close_dicts(lw[phase][kind][0], ddp[phase][kind][0], what=f"{phase} {kind}")
+                assert lw[phase][kind][0][f"{kind.replace('validate', 'val')}_samples"] == 8.0  # 5 + 3 samples
+            assert len(lw[phase]["predict"]) == len(ddp[phase]["predict"]) == n_batches
+            for got, want in zip(lw[phase]["predict"], ddp[phase]["predict"]):
+                assert got.shape == want.shape and rel_err(got, want) <= TOL, phase
+        assert rel_err(torch.tensor(lw["standalone"]["validate"][0]["val_loss"]),
+                       torch.tensor(lw["after_fit"]["validate"][0]["val_loss"])) > 1e-3, "fit changed the metric"
+    # sync_dist: every rank logs the same value, the mean of the ranks' (sample-weighted) losses.
+    for strategy in ("ddp", "layerwise"):
+        values = [r[strategy]["after_fit"]["validate"][0]["val_loss"] for r in results]
+        assert values[0] == pytest.approx(values[1], rel=1e-6)
+        expected = sum(r[strategy]["local_mse"] for r in results) / WORLD
+        assert values[0] == pytest.approx(expected, rel=1e-5)
+
+
+# --- 5. fast_dev_run and max_steps ---------------------------------------------------------------------------------
+
+def _stopping_worker(rank, world, root):
+    out = {}
+    for strategy in ("ddp", "layerwise"):
+        model = Net()
+        trainer = make_trainer(strategy, root, fast_dev_run=True)
+        trainer.fit(model, train_loader(), DataLoader(dataset(8, seed=7), batch_size=2))
+        out[("fast_dev_run", strategy)] = {"params": params_of(model), "calls": dict(model.calls),
+                                           "step": trainer.global_step, "epoch": trainer.current_epoch}
+        # 4 batches per epoch and rank: max_steps=6 stops in the middle of the second epoch.
+        model = Net("muon")
+        trainer = make_trainer(strategy, root, max_steps=6, max_epochs=5)
+        trainer.fit(model, train_loader())
+        out[("max_steps", strategy)] = {"params": params_of(model), "calls": dict(model.calls),
+                                        "step": trainer.global_step, "epoch": trainer.current_epoch}
+    return out
+
+
+@pytest.mark.slow
+def test_fast_dev_run_and_max_steps_stop_where_ddp_stops(tmp_path):
+    for rank, out in enumerate(run_distributed(_stopping_worker, WORLD, str(tmp_path))):
+        for case, step, train_calls, val_calls in (("fast_dev_run", 1, 1, 1), ("max_steps", 6, 6, 0)):
+            ddp, lw = out[(case, "ddp")], out[(case, "layerwise")]
+            assert ddp["step"] == lw["step"] == step, (case, ddp["step"], lw["step"])
+            assert ddp["epoch"] == lw["epoch"], case
+            assert lw["calls"] == ddp["calls"]
+            assert lw["calls"]["train"] == train_calls and lw["calls"]["val"] == val_calls, (case, lw["calls"])
+            assert_trained(lw["params"], case)
+            assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} {case}")
+
+
+# --- 6 and 7. manual optimization, with clip_gradients ----------------------------------------------------------------
+
+def _manual_worker(rank, world, root):
+    out = {}
+    for optimizer, clip in (("adamw", None), ("adamw", 0.05), ("muon", 0.05)):
+        for strategy in ("ddp", "layerwise"):
+            model = Net(optimizer, manual=True, clip=clip)
+            make_trainer(strategy, root, max_steps=6).fit(model, train_loader())
+            out[(optimizer, clip, strategy)] = {"params": params_of(model), "calls": model.calls["train"]}
+    return out
+
+
+@pytest.mark.slow
+def test_manual_optimization_and_clip_gradients_match_ddp(tmp_path):
+    for rank, out in enumerate(run_distributed(_manual_worker, WORLD, str(tmp_path))):
+        for optimizer, clip in (("adamw", None), ("adamw", 0.05), ("muon", 0.05)):
+            ddp, lw = out[(optimizer, clip, "ddp")], out[(optimizer, clip, "layerwise")]
+            assert ddp["calls"] == lw["calls"] == 6
+            assert_trained(lw["params"], f"manual {optimizer} clip={clip}")
+            assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} manual {optimizer} clip={clip}")
+        clipped, unclipped = out[("adamw", 0.05, "layerwise")]["params"], out[("adamw", None, "layerwise")]["params"]
+        assert max(rel_err(clipped[n], unclipped[n]) for n in clipped) > 1e-3, "clipping was active"
+
+
+# --- 8. teardown ---------------------------------------------------------------------------------------------------
+
+def _teardown_worker(rank, world, root):
+    out = {}
+    x = dataset(6, seed=3).tensors[0]
+    for strategy in ("ddp", "layerwise"):
+        model = Net("muon")
+        make_trainer(strategy, root, max_steps=4).fit(model, train_loader())
+        res = {
+            "plain": owns_storage(model),
+            "main_grad": any(hasattr(p, "main_grad") for p in model.parameters()),
+            "grad_ok": all(p.grad is None or (type(p.grad) is torch.Tensor and p.grad.shape == p.shape
+                                              and p.grad.untyped_storage().nbytes() >= p.numel() * p.element_size())
+                           for p in model.parameters()),
+            "hooks": sum(len(m._forward_pre_hooks) for m in model.modules()),
+            "params1": params_of(model),
+        }
+        with torch.no_grad():
+            res["forward1"] = model(x)
+        # A second fit with a new Trainer on the same module.
+        make_trainer(strategy, root, max_steps=4).fit(model, train_loader())
+        res["params2"] = params_of(model)
+        res["plain2"] = owns_storage(model)
+        with torch.no_grad():
+            res["forward2"] = model(x)
+        # The module still trains like a plain one (no stale hooks or views): one SGD step by hand.
+        model.train()
+        loss = model(x).square().mean()
+        loss.backward()
+        res["grads_after"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        out[strategy] = res
+    return out
+
+
+@pytest.mark.slow
+def test_teardown_leaves_an_ordinary_module_that_fits_again(tmp_path):
+    for rank, out in enumerate(run_distributed(_teardown_worker, WORLD, str(tmp_path))):
+        ddp, lw = out["ddp"], out["layerwise"]
+        assert lw["plain"] and lw["plain2"], "parameters own their storage after fit"
+        assert not lw["main_grad"], "no main_grad left on parameters"
+        assert lw["grad_ok"]
+        assert lw["hooks"] == ddp["hooks"] == 0, "no forward pre-hooks left"
+        assert_trained(lw["params1"])
+        assert_close_dicts(lw["params1"], ddp["params1"], what=f"rank {rank} first fit")
+        assert rel_err(lw["forward1"], ddp["forward1"]) <= TOL
+        assert max(rel_err(lw["params2"][n], lw["params1"][n]) for n in lw["params1"]) > 1e-3, "second fit trained"
+        assert_close_dicts(lw["params2"], ddp["params2"], what=f"rank {rank} second fit")
+        assert rel_err(lw["forward2"], ddp["forward2"]) <= TOL
+        assert_close_dicts(lw["grads_after"], ddp["grads_after"], what="plain backward after fit")
+
+
+# --- 9. torch.compile ----------------------------------------------------------------------------------------------
+
+def _compile_worker(rank, world, root):
+    out = {}
+    torch._dynamo.reset()
+    for variant in ("inner", "module"):
+        for strategy in ("ddp", "layerwise"):
+            if variant == "inner":
+                model = Net(compile_inner=True)
+                fit_model = model
+            else:
+                model = Net()
+                fit_model = torch.compile(model)
+            trainer = make_trainer(strategy, root, max_steps=5)
+            trainer.fit(fit_model, train_loader())
+            out[(variant, strategy)] = {"params": params_of(model), "step": trainer.global_step,
+                                        "calls": model.calls["train"]}
+    return out
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_ddp(tmp_path):
+    for rank, out in enumerate(run_distributed(_compile_worker, WORLD, str(tmp_path), timeout=400)):
+        for variant in ("inner", "module"):
+            ddp, lw = out[(variant, "ddp")], out[(variant, "layerwise")]
+            assert ddp["step"] == lw["step"] == 5
+            assert_trained(lw["params"], variant)
+            assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} compiled {variant}")
