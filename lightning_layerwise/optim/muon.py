@@ -100,7 +100,12 @@ NS_SCHEDULES: dict[str, tuple[Triple, ...]] = {
 }
 
 _ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
-_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+_DTYPE_NAMES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +164,9 @@ def newton_schulz_reference(
     See Note [parity with torch.optim.Muon].
     """
     if G.ndim != 2:
-        raise ValueError(f"newton_schulz_reference takes one matrix; got shape {tuple(G.shape)}. Use newton_schulz for a batch")
+        raise ValueError(
+            f"newton_schulz_reference takes one matrix; got shape {tuple(G.shape)}. Use newton_schulz for a batch"
+        )
     coeffs = resolve_ns_coefficients(coefficients, steps)
     X = G.to(dtype)
     tall = G.size(0) > G.size(1)
@@ -221,9 +228,9 @@ def orthogonalize(
 
     See Note [batched Newton-Schulz]. Output ``i`` corresponds to input ``i``.
     """
-    out: list[Tensor | None] = [None] * len(matrices)
     if not batched:
         return [newton_schulz_reference(M, steps, coefficients, eps, dtype) for M in matrices]
+    out: list[Tensor | None] = [None] * len(matrices)
     buckets: dict[tuple, list[int]] = defaultdict(list)
     for i, M in enumerate(matrices):
         if M.ndim != 2:
@@ -333,7 +340,9 @@ def _check_betas(where: str, name: str, value: Any) -> None:
     except (TypeError, ValueError):
         pass
     if not ok:
-        raise ValueError(f"{where}{name}={value!r} is invalid: it must be two numbers in [0, 1), e.g. {name}=(0.9, 0.95)")
+        raise ValueError(
+            f"{where}{name}={value!r} is invalid: it must be two numbers in [0, 1), e.g. {name}=(0.9, 0.95)"
+        )
 
 
 def _check_ns(where: str, coefficients: Any, steps: Any) -> None:
