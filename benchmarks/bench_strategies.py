@@ -1,12 +1,12 @@
 """Lightning ``ddp`` against ``layerwise``, each with AdamW and with Muon, on the example GPT.
 
 Run from the repository root (default: the example GPT of ``examples/configs/cpu.yaml``,
-2 CPU processes on gloo, 3 interleaved repeats of 4 configurations, 25 timed steps each; about 6 minutes
-on 2 CPU cores)::
+2 CPU processes on gloo, 3 interleaved repeats of 4 configurations, 25 timed steps
+each; about 4 to 7 minutes on 2 shared CPU cores)::
 
     .venv/bin/python benchmarks/bench_strategies.py
     .venv/bin/python benchmarks/bench_strategies.py --steps 40 --repeats 5 --n-layer 6 --n-embd 256
-    python benchmarks/bench_strategies.py --accelerator gpu --devices 8 --batch-size 32 --n-embd 768 --n-layer 12
+    python benchmarks/bench_strategies.py --accelerator gpu --devices 8 --batch-size 32 --n-layer 12 --n-embd 768
 
 Configurations (peers in the same run, same seed, same data order, same initial weights):
 
@@ -16,6 +16,10 @@ Configurations (peers in the same run, same seed, same data order, same initial 
     layerwise_adamw  Trainer(strategy="layerwise"), torch.optim.AdamW on the owned params
     layerwise_muon   Trainer(strategy="layerwise"), llw.Muon on the owned params
 
+AdamW: ``lr=3e-3, betas=(0.9, 0.95), weight_decay=0``. Muon: ``lr=0.02`` (momentum
+0.95, Nesterov, 5 Newton-Schulz steps in bf16), its AdamW groups as AdamW. Gradient
+clipping by norm 1.0 and ``LayerwiseStrategy(bucket_size=200_000)``, as in cpu.yaml.
+
 Each configuration runs in a fresh ``python benchmarks/bench_strategies.py --_worker NAME``
 subprocess with ``OMP_NUM_THREADS=1`` per rank on CPU. Lightning's subprocess launcher
 re-runs that same command line for ranks 1..N-1, so the worker entry point is the
@@ -23,21 +27,26 @@ same on every rank; rank 0 writes the result. Repeats are interleaved round-robi
 (the order rotates every repeat) so a change of machine load hits every
 configuration alike; the report gives medians over repeats.
 
-Measured per run, after ``--warmup`` steps, over ``--steps`` steps:
+Measured per run, after ``--warmup`` steps, over ``--steps`` steps (wall times are
+the maximum over ranks of each step, then the median over steps):
 
-* step time: wall time between ``on_train_batch_end`` of consecutive steps (data,
-  forward, backward, communication, clipping, optimizer, the layer-wise all-gather);
-* optimizer time: from the end of gradient clipping (``configure_gradient_clipping``)
-  to the optimizer's step post-hook, i.e. the parameter update alone; clipping time
-  separately (from ``on_before_optimizer_step``; under ``layerwise`` it includes the
-  all-reduce of the global norm);
+* step: wall time between ``on_train_batch_end`` of consecutive steps (data, forward,
+  backward, communication, clipping, optimizer, the layer-wise all-gather), and the
+  CPU time the rank's process spent in it (all its threads; robust to time the
+  process was not scheduled on a shared machine, but it includes gloo's threads);
+* fwd+bwd: ``on_train_batch_start`` to ``on_before_optimizer_step`` (includes waiting
+  for the gradient reduction, and under ``layerwise`` for the all-gathers that the
+  forward pre-hooks await);
+* clip: ``on_before_optimizer_step`` to the end of ``configure_gradient_clipping``
+  (under ``layerwise`` it includes the all-reduce of the global norm);
+* opt: end of clipping to the optimizer's step post-hook, i.e. the parameter update
+  alone, as wall time and as the main thread's CPU time;
 * optimizer-state bytes: the sum of tensor bytes in ``optimizer.state``, per rank, at
   its peak (after a step), gathered from every rank;
 * parameter and gradient bytes per rank: distinct storages behind the parameters and
-  their ``.grad`` (for ``layerwise``: the flat buffers, padding included; ``ddp``'s
-  internal bucket copy of the gradients is reported separately when torch exposes it);
-* the training loss of every step (mean over ranks = the global batch's loss), the
-  last step's and the mean of the last 10.
+  their ``.grad`` (for ``layerwise``: the flat buffers, padding included); ``ddp``'s
+  internal bucket copy of the gradients is reported separately when torch exposes it;
+* the training loss of every step (mean over ranks = the global batch's loss).
 
 On CUDA every timestamp is taken after ``torch.cuda.synchronize()`` and the peak of
 ``torch.cuda.max_memory_allocated`` is reported; on CPU the peak RSS of each rank.
@@ -69,6 +78,18 @@ CONFIGS: dict[str, tuple[str, str]] = {
 }
 BASELINE = "ddp_adamw"
 LAST_K = 10  # steps averaged for the "late loss" column
+# (name, from event, to event, clock): the intervals of one step that are reported.
+# Events: start = on_train_batch_start, grads = on_before_optimizer_step, clipped = end of
+# configure_gradient_clipping, stepped = optimizer step post-hook, end = on_train_batch_end.
+# "end" with from "end" means from the previous step's end.
+INTERVALS = (
+    ("step", "end", "end", "wall"),
+    ("step_cpu", "end", "end", "process"),
+    ("fwd_bwd", "start", "grads", "wall"),
+    ("clip", "grads", "clipped", "wall"),
+    ("opt", "clipped", "stepped", "wall"),
+    ("opt_cpu", "clipped", "stepped", "thread"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,60 +145,58 @@ def run_worker(args: argparse.Namespace) -> None:
     strategy_name, optimizer_name = CONFIGS[args._worker]
     cuda = args.accelerator in ("gpu", "cuda")
 
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
     def make_optimizer(groups):
         if optimizer_name == "adamw":
             return torch.optim.AdamW(groups, lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
         return llw.Muon(groups, lr=args.muon_lr, adamw_lr=args.adamw_lr, ns_dtype=getattr(torch, args.ns_dtype))
 
     class Probe(L.Callback):
-        """Timestamps and memory of every step on this rank."""
+        """Clock readings at five points of every step, and memory, on this rank."""
 
         def __init__(self) -> None:
-            self.step_end: list[float] = []
-            self.before_opt: list[float] = []
-            self.clipped: list[float] = []
-            self.opt_end: list[float] = []
+            self.marks: dict[str, list[dict[str, float]]] = {
+                e: [] for e in ("start", "grads", "clipped", "stepped", "end")}
             self.losses: list[float] = []
             self.state_bytes_peak = 0
             self.param_bytes = 0
             self.grad_bytes = 0
             self.ddp_bucket_bytes: int | None = None
 
+        def mark(self, event: str) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            self.marks[event].append({"wall": time.perf_counter(), "thread": time.thread_time(),
+                                      "process": time.process_time()})
+
         def on_train_start(self, trainer, pl_module) -> None:
             self.param_bytes = _storage_bytes(p for p in pl_module.parameters())
             trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
             self.ddp_bucket_bytes = _ddp_bucket_bytes(trainer.strategy.model)
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.mark("start")
+
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            sync()
-            self.before_opt.append(time.perf_counter())
+            self.mark("grads")
             self.grad_bytes = max(self.grad_bytes, _storage_bytes(
                 p.grad for p in pl_module.parameters() if p.grad is not None))
 
-        def mark_clipped(self) -> None:
-            sync()
-            self.clipped.append(time.perf_counter())
-
         def _after_optimizer_step(self, optimizer, args_, kwargs_) -> None:
-            sync()
-            self.opt_end.append(time.perf_counter())
+            self.mark("stepped")
             state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                         if torch.is_tensor(t))
             self.state_bytes_peak = max(self.state_bytes_peak, state)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            sync()
-            self.step_end.append(time.perf_counter())
+            self.mark("end")
             self.losses.append(float(outputs["loss"].detach()))
 
     class TimedGPT(GPTLightningModule):
+        # Lightning calls this hook every step, with or without clipping: the end of it
+        # separates clipping from the optimizer's own step.
         def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
-            probe.mark_clipped()
+            probe.mark("clipped")
 
     L.seed_everything(args.seed, verbose=False)
     dm = CharDataModule(block_size=args.block_size, batch_size=args.batch_size, max_chars=args.max_chars,
@@ -199,30 +218,30 @@ def run_worker(args: argparse.Namespace) -> None:
     trainer.fit(model, datamodule=dm)
 
     w = args.warmup
-    step_s = [b - a for a, b in zip(probe.step_end[w - 1:-1], probe.step_end[w:])]
-    opt_s = [b - a for a, b in zip(probe.clipped[w:], probe.opt_end[w:])]
-    clip_s = [b - a for a, b in zip(probe.before_opt[w:], probe.clipped[w:])]
-    local = {
-        "rank": trainer.global_rank,
-        "step_ms_median": 1e3 * statistics.median(step_s),
-        "opt_ms_median": 1e3 * statistics.median(opt_s),
-        "clip_ms_median": 1e3 * statistics.median(clip_s),
-        "step_ms": [1e3 * s for s in step_s],
-        "opt_ms": [1e3 * s for s in opt_s],
-        "losses": probe.losses,
-        "optimizer_state_bytes_peak": probe.state_bytes_peak,
-        "param_bytes": probe.param_bytes,
-        "grad_bytes": probe.grad_bytes,
-        "ddp_bucket_bytes": probe.ddp_bucket_bytes,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-    }
+    local: dict[str, Any] = {"rank": trainer.global_rank, "losses": probe.losses}
+    for name, a, b, clock in INTERVALS:
+        # Step k (k >= warmup) spans end[k-1] .. end[k]; the other intervals lie inside step k.
+        begin = probe.marks[a][w - 1:-1] if (a, b) == ("end", "end") else probe.marks[a][w:]
+        local[name + "_ms"] = [1e3 * (y[clock] - x[clock]) for x, y in zip(begin, probe.marks[b][w:])]
+    local.update(
+        optimizer_state_bytes_peak=probe.state_bytes_peak,
+        param_bytes=probe.param_bytes,
+        grad_bytes=probe.grad_bytes,
+        ddp_bucket_bytes=probe.ddp_bucket_bytes,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        cuda_max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+    )
     ranks = [local]
     if dist.is_available() and dist.is_initialized():
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, local)
     if trainer.global_rank == 0 and args._result:
         Path(args._result).write_text(json.dumps({"config": args._worker, "ranks": ranks}))
+    if dist.is_available() and dist.is_initialized():
+        # Lightning leaves the process group to interpreter exit, where gloo's threads
+        # occasionally abort the process ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _storage_bytes(tensors) -> int:
@@ -262,131 +281,138 @@ def worker_command(args: argparse.Namespace, name: str, result: str) -> list[str
     return cmd
 
 
-def run_one(args: argparse.Namespace, name: str) -> dict:
+def run_one(args: argparse.Namespace, name: str, attempts: int = 2) -> dict:
+    """One configuration in fresh processes; a run that leaves no result is tried once more."""
     env = dict(os.environ)
     if args.accelerator == "cpu":
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
     env.pop("MASTER_PORT", None)  # Lightning picks a free port for every run
     env["PYTHONWARNINGS"] = "ignore"
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        t0 = time.perf_counter()
-        proc = subprocess.run(worker_command(args, name, result), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=args.timeout)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not os.path.exists(result):
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-            raise RuntimeError(f"{name}: worker failed with exit code {proc.returncode}")
-        out = json.loads(Path(result).read_text())
-    out["process_wall_s"] = wall
+    for attempt in range(1, attempts + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            result = os.path.join(tmp, "result.json")
+            t0 = time.perf_counter()
+            proc = subprocess.run(worker_command(args, name, result), cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=args.timeout)
+            wall = time.perf_counter() - t0
+            if os.path.exists(result):
+                out = json.loads(Path(result).read_text())
+                out["process_wall_s"] = wall
+                out["exit_code"] = proc.returncode
+                if proc.returncode != 0:
+                    print(f"  note: {name} wrote its result but exited with code {proc.returncode}: "
+                          f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ''}", flush=True)
+                return out
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        print(f"  {name}: attempt {attempt} failed with exit code {proc.returncode}", flush=True)
+    raise RuntimeError(f"{name}: worker failed {attempts} times; its output is above")
+
+
+def summarize_run(run: dict) -> dict:
+    """One run: per-step maxima over ranks, medians over steps; memory per rank; losses."""
+    ranks = run["ranks"]
+    out: dict[str, Any] = {"world": len(ranks), "process_wall_s": run["process_wall_s"],
+                           "exit_code": run["exit_code"]}
+    for name, *_ in INTERVALS:
+        # A step ends when the slowest rank ends it: the maximum over ranks, step by step.
+        per_step = [max(values) for values in zip(*(r[name + "_ms"] for r in ranks))]
+        out[name + "_ms"] = statistics.median(per_step)
+    out["opt_cpu_ms_per_rank"] = [statistics.median(r["opt_cpu_ms"]) for r in ranks]
+    state = [r["optimizer_state_bytes_peak"] for r in ranks]
+    losses = [statistics.fmean(values) for values in zip(*(r["losses"] for r in ranks))]
+    cuda_bytes = [r["cuda_max_allocated_bytes"] for r in ranks]
+    out.update(
+        state_bytes_per_rank=state,
+        param_bytes_per_rank=max(r["param_bytes"] for r in ranks),
+        grad_bytes_per_rank=max(r["grad_bytes"] for r in ranks),
+        ddp_bucket_bytes_per_rank=ranks[0]["ddp_bucket_bytes"],
+        peak_rss_bytes_per_rank=max(r["peak_rss_bytes"] for r in ranks),
+        cuda_max_allocated_bytes_per_rank=max(cuda_bytes) if None not in cuda_bytes else None,
+        losses=losses,
+        final_loss=losses[-1],
+        late_loss=statistics.fmean(losses[-LAST_K:]),
+    )
     return out
 
 
-def summarize_run(run: dict, steps: int) -> dict:
-    ranks = run["ranks"]
-    n = len(ranks)
-    losses = [statistics.fmean(r["losses"][i] for r in ranks) for i in range(len(ranks[0]["losses"]))]
-    # A step ends when the slowest rank ends it: the per-step maximum over ranks.
-    step_ms = [max(r["step_ms"][i] for r in ranks) for i in range(len(ranks[0]["step_ms"]))]
-    opt_ms = [max(r["opt_ms"][i] for r in ranks) for i in range(len(ranks[0]["opt_ms"]))]
-    state = [r["optimizer_state_bytes_peak"] for r in ranks]
-    return {
-        "step_ms": statistics.median(step_ms),
-        "opt_ms": statistics.median(opt_ms),
-        "clip_ms": max(r["clip_ms_median"] for r in ranks),
-        "opt_ms_per_rank": [r["opt_ms_median"] for r in ranks],
-        "state_bytes_per_rank": state,
-        "state_bytes_max": max(state),
-        "state_bytes_sum": sum(state),
-        "param_bytes_per_rank": max(r["param_bytes"] for r in ranks),
-        "grad_bytes_per_rank": max(r["grad_bytes"] for r in ranks),
-        "ddp_bucket_bytes_per_rank": ranks[0]["ddp_bucket_bytes"],
-        "peak_rss_bytes_per_rank": max(r["peak_rss_bytes"] for r in ranks),
-        "cuda_max_allocated_bytes_per_rank": (max(r["cuda_max_allocated_bytes"] for r in ranks)
-                                              if ranks[0]["cuda_max_allocated_bytes"] is not None else None),
-        "losses": losses,
-        "final_loss": losses[-1],
-        "late_loss": statistics.fmean(losses[-LAST_K:]),
-        "world": n,
-        "process_wall_s": run["process_wall_s"],
-    }
-
-
 def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    def med(name, key):
-        return statistics.median(r[key] for r in runs[name])
-
     table: dict[str, dict] = {}
     for name, rs in runs.items():
+        row: dict[str, Any] = {}
+        for key, *_ in INTERVALS:
+            values = [r[key + "_ms"] for r in rs]
+            row[key + "_ms_median"] = statistics.median(values)
+            row[key + "_ms_runs"] = values
         first = rs[0]
-        table[name] = {
-            "step_ms_median": med(name, "step_ms"),
-            "step_ms_runs": [r["step_ms"] for r in rs],
-            "opt_ms_median": med(name, "opt_ms"),
-            "opt_ms_runs": [r["opt_ms"] for r in rs],
-            "clip_ms_median": med(name, "clip_ms"),
-            "state_bytes_max_per_rank": first["state_bytes_max"],
-            "state_bytes_per_rank": first["state_bytes_per_rank"],
-            "state_bytes_sum": first["state_bytes_sum"],
-            "param_bytes_per_rank": first["param_bytes_per_rank"],
-            "grad_bytes_per_rank": first["grad_bytes_per_rank"],
-            "ddp_bucket_bytes_per_rank": first["ddp_bucket_bytes_per_rank"],
-            "peak_rss_bytes_per_rank_median": med(name, "peak_rss_bytes_per_rank"),
-            "cuda_max_allocated_bytes_per_rank": first["cuda_max_allocated_bytes_per_rank"],
-            "final_loss_median": med(name, "final_loss"),
-            "final_loss_runs": [r["final_loss"] for r in rs],
-            "late_loss_median": med(name, "late_loss"),
-            "losses_run0": first["losses"],
-            "process_wall_s_median": med(name, "process_wall_s"),
-        }
-    base = table.get(BASELINE)
+        row.update(
+            opt_cpu_ms_per_rank_median=[statistics.median(v) for v in zip(*(r["opt_cpu_ms_per_rank"] for r in rs))],
+            state_bytes_per_rank=first["state_bytes_per_rank"],
+            state_bytes_max_per_rank=max(first["state_bytes_per_rank"]),
+            state_bytes_sum=sum(first["state_bytes_per_rank"]),
+            param_bytes_per_rank=first["param_bytes_per_rank"],
+            grad_bytes_per_rank=first["grad_bytes_per_rank"],
+            ddp_bucket_bytes_per_rank=first["ddp_bucket_bytes_per_rank"],
+            peak_rss_bytes_per_rank_median=statistics.median(r["peak_rss_bytes_per_rank"] for r in rs),
+            cuda_max_allocated_bytes_per_rank=first["cuda_max_allocated_bytes_per_rank"],
+            final_loss_median=statistics.median(r["final_loss"] for r in rs),
+            final_loss_runs=[r["final_loss"] for r in rs],
+            late_loss_median=statistics.median(r["late_loss"] for r in rs),
+            losses_run0=first["losses"],
+            process_wall_s_runs=[r["process_wall_s"] for r in rs],
+            exit_codes=[r["exit_code"] for r in rs],
+        )
+        table[name] = row
+
+    def ratios(row: dict, ref: dict, suffix: str) -> None:
+        for key in ("step", "step_cpu", "fwd_bwd", "opt", "opt_cpu"):
+            row[f"{key}_ratio_{suffix}"] = row[key + "_ms_median"] / ref[key + "_ms_median"]
+        row[f"state_ratio_{suffix}"] = row["state_bytes_max_per_rank"] / ref["state_bytes_max_per_rank"]
+
     for name, row in table.items():
-        if base:
-            row["step_ratio_vs_ddp_adamw"] = row["step_ms_median"] / base["step_ms_median"]
-            row["opt_ratio_vs_ddp_adamw"] = row["opt_ms_median"] / base["opt_ms_median"]
-            row["state_ratio_vs_ddp_adamw"] = row["state_bytes_max_per_rank"] / base["state_bytes_max_per_rank"]
+        if BASELINE in table:
+            ratios(row, table[BASELINE], "vs_ddp_adamw")
         peer = table.get("ddp_" + name.split("_", 1)[1])
         if name.startswith("layerwise_") and peer:
-            row["step_ratio_vs_ddp_same_optimizer"] = row["step_ms_median"] / peer["step_ms_median"]
-            row["opt_ratio_vs_ddp_same_optimizer"] = row["opt_ms_median"] / peer["opt_ms_median"]
-            row["state_ratio_vs_ddp_same_optimizer"] = (row["state_bytes_max_per_rank"]
-                                                        / peer["state_bytes_max_per_rank"])
+            ratios(row, peer, "vs_ddp_same_optimizer")
             row["max_abs_loss_diff_vs_ddp_same_optimizer"] = max(
                 abs(a - b) for a, b in zip(row["losses_run0"], peer["losses_run0"]))
     return table
 
 
 def print_table(table: dict[str, dict], meta: dict) -> None:
-    kib = 1024
+    kib, nan = 1024, float("nan")
     print(f"\n{meta['devices']} x {meta['accelerator']} ({meta['backend']}), GPT n_layer={meta['n_layer']} "
           f"n_embd={meta['n_embd']} ({meta['n_params']:,} params), batch {meta['batch_size']}/rank x "
           f"{meta['block_size']}, {meta['steps']} timed steps after {meta['warmup']}, medians of "
-          f"{meta['repeats']} interleaved runs")
-    head = (f"{'config':16} {'step ms':>8} {'x ddp+AdamW':>11} {'opt ms':>7} {'x ddp+AdamW':>11} "
-            f"{'clip ms':>7} {'state KiB/rank':>14} {'param KiB':>9} {'grad KiB':>8} {'final loss':>10} "
-            f"{'loss last10':>11} {'max|dloss| vs ddp':>17}")
-    print(head)
+          f"{meta['repeats']} interleaved runs (ratio: / ddp_adamw)")
+    print(f"{'config':16} {'step ms':>8} {'ratio':>6} {'step CPU ms':>11} {'ratio':>6} {'fwd+bwd ms':>10} "
+          f"{'clip ms':>7} {'opt ms':>7} {'ratio':>6} {'opt CPU ms':>10} {'ratio':>6}")
+    for name, r in table.items():
+        print(f"{name:16} {r['step_ms_median']:8.1f} {r.get('step_ratio_vs_ddp_adamw', nan):6.2f} "
+              f"{r['step_cpu_ms_median']:11.1f} {r.get('step_cpu_ratio_vs_ddp_adamw', nan):6.2f} "
+              f"{r['fwd_bwd_ms_median']:10.1f} {r['clip_ms_median']:7.2f} {r['opt_ms_median']:7.2f} "
+              f"{r.get('opt_ratio_vs_ddp_adamw', nan):6.2f} {r['opt_cpu_ms_median']:10.2f} "
+              f"{r.get('opt_cpu_ratio_vs_ddp_adamw', nan):6.2f}")
+    print(f"\n{'config':16} {'opt state KiB/rank':>18} {'ratio':>6} {'sum KiB':>8} {'param KiB':>9} "
+          f"{'grad KiB':>8} {'ddp bucket KiB':>14} {'final loss':>10} {'last-10 loss':>12} {'max|dloss| vs ddp':>17}")
     for name, r in table.items():
         diff = r.get("max_abs_loss_diff_vs_ddp_same_optimizer")
-        print(f"{name:16} {r['step_ms_median']:8.1f} {r.get('step_ratio_vs_ddp_adamw', float('nan')):10.2f}x "
-              f"{r['opt_ms_median']:7.2f} {r.get('opt_ratio_vs_ddp_adamw', float('nan')):10.2f}x "
-              f"{r['clip_ms_median']:7.2f} {r['state_bytes_max_per_rank'] / kib:14.0f} "
-              f"{r['param_bytes_per_rank'] / kib:9.0f} {r['grad_bytes_per_rank'] / kib:8.0f} "
-              f"{r['final_loss_median']:10.4f} {r['late_loss_median']:11.4f} "
-              f"{'' if diff is None else f'{diff:.2e}':>17}")
-    for name, r in table.items():
-        if r["ddp_bucket_bytes_per_rank"]:
-            print(f"{name}: DistributedDataParallel's gradient buckets hold another "
-                  f"{r['ddp_bucket_bytes_per_rank'] / kib:.0f} KiB per rank besides the .grad tensors")
+        bucket = r["ddp_bucket_bytes_per_rank"]
+        print(f"{name:16} {r['state_bytes_max_per_rank'] / kib:18.0f} {r.get('state_ratio_vs_ddp_adamw', nan):6.2f} "
+              f"{r['state_bytes_sum'] / kib:8.0f} {r['param_bytes_per_rank'] / kib:9.0f} "
+              f"{r['grad_bytes_per_rank'] / kib:8.0f} {'-' if bucket is None else f'{bucket / kib:.0f}':>14} "
+              f"{r['final_loss_median']:10.4f} {r['late_loss_median']:12.4f} "
+              f"{'-' if diff is None else f'{diff:.1e}':>17}")
+    print()
     for name, r in table.items():
         if "step_ratio_vs_ddp_same_optimizer" in r:
-            print(f"{name}: vs ddp with the same optimizer: step x{r['step_ratio_vs_ddp_same_optimizer']:.2f}, "
-                  f"optimizer x{r['opt_ratio_vs_ddp_same_optimizer']:.2f}, "
+            print(f"{name} / ddp with the same optimizer: step x{r['step_ratio_vs_ddp_same_optimizer']:.2f} "
+                  f"(CPU x{r['step_cpu_ratio_vs_ddp_same_optimizer']:.2f}), optimizer "
+                  f"x{r['opt_ratio_vs_ddp_same_optimizer']:.2f} (CPU x{r['opt_cpu_ratio_vs_ddp_same_optimizer']:.2f}), "
                   f"state/rank x{r['state_ratio_vs_ddp_same_optimizer']:.2f}")
 
 
 def count_params(args: argparse.Namespace, vocab_size: int) -> int:
-    sys.path.insert(0, str(ROOT))
     from examples.gpt import GPT, GPTConfig
 
     cfg = GPTConfig(vocab_size=vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
@@ -415,11 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     for rep in range(args.repeats):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for name in order:
-            run = summarize_run(run_one(args, name), args.steps)
+            run = summarize_run(run_one(args, name))
             runs[name].append(run)
-            print(f"repeat {rep + 1}/{args.repeats} {name:16} step {run['step_ms']:7.1f} ms  "
-                  f"opt {run['opt_ms']:6.2f} ms  final loss {run['final_loss']:.4f}  "
-                  f"({run['process_wall_s']:.0f} s)", flush=True)
+            print(f"repeat {rep + 1}/{args.repeats} {name:16} step {run['step_ms']:6.1f} ms "
+                  f"(CPU {run['step_cpu_ms']:6.1f})  fwd+bwd {run['fwd_bwd_ms']:6.1f}  opt {run['opt_ms']:6.2f} "
+                  f"(CPU {run['opt_cpu_ms']:6.2f})  final loss {run['final_loss']:.4f}  "
+                  f"[{run['process_wall_s']:.0f} s, load {os.getloadavg()[0]:.1f}]", flush=True)
     table = aggregate(runs)
 
     import torch

@@ -140,13 +140,13 @@ class LayerwiseDataParallel(nn.Module):
 
         named = dict(module.named_parameters())
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
-        self._buffers: list[FlatBuffer] = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs},
+        self._flat_buffers: list[FlatBuffer] = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs},
                                                            grad_reduce_dtype)
         order = {s.name: i for i, s in enumerate(specs)}
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         for b_index, plan in enumerate(self.layout.buffers):
-            flat = self._buffers[b_index]
+            flat = self._flat_buffers[b_index]
             for bp in plan.buckets:
                 params = [named[n] for n in bp.params]
                 bucket = Bucket(b_index, bp.index, params, flat.params[bp.start:bp.end], flat.grads[bp.start:bp.end],
@@ -184,6 +184,11 @@ class LayerwiseDataParallel(nn.Module):
     def buckets(self) -> list[Bucket]:
         return list(self._buckets)
 
+    @property
+    def flat_buffers(self) -> list[FlatBuffer]:
+        """The flat param and grad tensors, one pair per layout buffer."""
+        return list(self._flat_buffers)
+
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.module.training:
             if self._grads_handed_out:
@@ -209,7 +214,7 @@ class LayerwiseDataParallel(nn.Module):
             p.grad = None
             if hasattr(p, "main_grad"):
                 del p.main_grad
-        for flat in self._buffers:
+        for flat in self._flat_buffers:
             flat.grads.zero_()
         for b in self._buckets:
             b.ready.clear()
@@ -235,7 +240,7 @@ class LayerwiseDataParallel(nn.Module):
         grad = param.grad
         self._seen.add(param)
         slot = self.layout.params[self._param_names[param]]
-        view_of(self._buffers[slot.buffer].grads, slot).add_(grad)
+        view_of(self._flat_buffers[slot.buffer].grads, slot).add_(grad)
         param.grad = None
         if not self._micro_batch_is_last:
             return
@@ -279,7 +284,7 @@ class LayerwiseDataParallel(nn.Module):
         for param, name in self._param_names.items():
             if param in self._owned:
                 slot = self.layout.params[name]
-                main_grad = view_of(self._buffers[slot.buffer].grads, slot)
+                main_grad = view_of(self._flat_buffers[slot.buffer].grads, slot)
                 if param not in self._seen and not main_grad.any():
                     # Unused on every rank: no gradient, as without the wrapper (an optimizer
                     # must not decay or add momentum to a parameter the loss never touched).
@@ -297,7 +302,7 @@ class LayerwiseDataParallel(nn.Module):
         Valid after :meth:`finish_grad_sync`. The shards hold exactly the owned
         parameters' gradients plus zero padding, so no per-parameter loop is needed.
         """
-        device = self._buffers[0].grads.device
+        device = self._flat_buffers[0].grads.device
         total = torch.zeros((), dtype=torch.float32, device=device)
         for bucket in self._buckets:
             shard = bucket.grad_data.chunk(self.dp_size)[self.dp_rank]
@@ -386,7 +391,7 @@ class LayerwiseDataParallel(nn.Module):
         group = self.process_groups.dp
         if group is None:
             return
-        tensors = [flat.params for flat in self._buffers]
+        tensors = [flat.params for flat in self._flat_buffers]
         tensors += [p.data for p in self.module.parameters() if p not in self._param_names]
         tensors += [b for b in self.module.buffers()]
         with torch.no_grad():
@@ -418,7 +423,7 @@ class LayerwiseDataParallel(nn.Module):
                 p.grad = None
                 if hasattr(p, "main_grad"):
                     del p.main_grad
-        self._buffers = []
+        self._flat_buffers = []
         self._buckets = []
         return self.module
 

@@ -27,7 +27,17 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    LearningRateMonitor,
+    ModelCheckpoint,
+    ModelSummary,
+    ProgressBar,
+    Timer,
+)
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -56,8 +66,17 @@ class LayerwiseStrategy(DDPStrategy):
         bucket_size: elements per communication bucket (all shards together).
         overlap_grad_reduce: start a bucket's reduce-scatter during backward as soon
             as its gradients are complete.
-        overlap_param_gather: all-gather parameters asynchronously, each bucket awaited
-            by a forward pre-hook just before its first module runs.
+        overlap_param_gather: all-gather parameters asynchronously after
+            ``optimizer.step``, each bucket awaited by a forward pre-hook just before its
+            first module runs. ``"auto"`` (default) overlaps unless something reads
+            parameters between steps (a callback outside Lightning's progress bars,
+            checkpointing, LR monitor, model summary, timer and early stopping, or the
+            LightningModule itself, overriding ``on_train_batch_end`` /
+            ``on_train_epoch_end``), or the model is ``torch.compile``d (compiled
+            graphs may skip the pre-hooks); then the all-gather completes inside the
+            step. ``True`` always overlaps: code between steps may then see other
+            ranks' parameters from the previous step until it calls
+            :meth:`sync_parameters`. ``False`` never overlaps.
         prefetch_depth: buckets whose all-gather may be in flight at once.
         separate_all_gather_group: run all-gathers on their own process group so they
             can overlap reduce-scatters.
@@ -78,7 +97,7 @@ class LayerwiseStrategy(DDPStrategy):
         self,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         overlap_grad_reduce: bool = True,
-        overlap_param_gather: bool = True,
+        overlap_param_gather: Union[bool, Literal["auto"]] = "auto",
         prefetch_depth: int = 2,
         separate_all_gather_group: bool = True,
         grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
@@ -96,6 +115,9 @@ class LayerwiseStrategy(DDPStrategy):
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ValueError(f"LayerwiseStrategy(bucket_size={bucket_size!r}): pass a positive number of elements, "
                              f"e.g. bucket_size={DEFAULT_BUCKET_SIZE}.")
+        if overlap_param_gather not in (True, False, "auto"):
+            raise ValueError(f"LayerwiseStrategy(overlap_param_gather={overlap_param_gather!r}): use True, False "
+                             "or 'auto'.")
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ValueError(f"LayerwiseStrategy(prefetch_depth={prefetch_depth!r}): pass an integer >= 1.")
         if grad_reduce_dtype is not None and grad_reduce_dtype not in _DTYPES:
@@ -126,6 +148,7 @@ class LayerwiseStrategy(DDPStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
         self._masters: Optional[MasterWeights] = None
+        self._sync_after_step = False  # complete the all-gather inside optimizer_step (see setup)
 
     # --- accelerators ----------------------------------------------------------------
     @property
@@ -159,7 +182,7 @@ class LayerwiseStrategy(DDPStrategy):
             process_groups=groups,
             bucket_size=self.bucket_size,
             overlap_grad_reduce=self.overlap_grad_reduce,
-            overlap_param_gather=self.overlap_param_gather,
+            overlap_param_gather=self.overlap_param_gather is not False,
             prefetch_depth=self.prefetch_depth,
             grad_reduce_dtype=self._grad_reduce_dtype(),
             broadcast_buffers=self.broadcast_buffers,
@@ -182,6 +205,27 @@ class LayerwiseStrategy(DDPStrategy):
             adapt_precision_plugin(self.precision_plugin, self)
             if self._half_true() and self.optimizers:
                 self._masters = MasterWeights(self.wrapper, self.optimizers[0])
+            self._sync_after_step = self._needs_sync_after_step(trainer)
+
+    def _needs_sync_after_step(self, trainer) -> bool:
+        """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
+        if self.overlap_param_gather is not True and self.overlap_param_gather is not False:
+            readers = _parameter_readers(trainer)
+            if readers:
+                rank_zero_info(f"LayerwiseStrategy: {', '.join(readers)} run between optimizer steps, so "
+                               "parameters are all-gathered inside each step (pass overlap_param_gather=True "
+                               "to overlap anyway).")
+                return True
+            if _is_compiled(self.lightning_module):
+                rank_zero_info("LayerwiseStrategy: the model is compiled, so parameters are all-gathered inside "
+                               "each step (compiled graphs may skip the forward pre-hooks).")
+                return True
+            return False
+        if self.overlap_param_gather is True and _is_compiled(self.lightning_module):
+            rank_zero_warn("LayerwiseStrategy(overlap_param_gather=True) with a compiled model: a graph compiled "
+                           "before the strategy added its forward pre-hooks runs without them and reads stale "
+                           "parameters. Use overlap_param_gather='auto' unless you compiled after setup.")
+        return False
 
     def _check_optimizers(self) -> None:
         if len(self.optimizers) > 1:
@@ -226,7 +270,7 @@ class LayerwiseStrategy(DDPStrategy):
         if wrapper is not None:
             if self._masters is not None:
                 self._masters.write_back()
-            wrapper.start_param_sync()
+            wrapper.start_param_sync(force_sync=self._sync_after_step)
         return output
 
     def sync_parameters(self) -> None:
@@ -311,6 +355,34 @@ class LayerwiseStrategy(DDPStrategy):
                 name, cls, description=f"Layer-wise distributed optimizer, start_method='{start_method}'",
                 start_method=start_method, override=True,
             )
+
+
+# Lightning callbacks that do not read parameters in on_train_batch_end / on_train_epoch_end
+# (checkpointing syncs through lightning_module_state_dict).
+_PARAMETER_SAFE_CALLBACKS = (ModelCheckpoint, LearningRateMonitor, ProgressBar, ModelSummary, Timer, EarlyStopping)
+_BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_epoch_end")
+
+
+def _parameter_readers(trainer) -> list[str]:
+    """Callbacks (and the LightningModule) whose hooks between steps may read parameters."""
+    readers = []
+    for callback in trainer.callbacks:
+        if isinstance(callback, _PARAMETER_SAFE_CALLBACKS):
+            continue
+        if any(getattr(type(callback), h) is not getattr(Callback, h) for h in _BETWEEN_STEP_HOOKS):
+            readers.append(type(callback).__name__)
+    module = trainer.lightning_module
+    if any(getattr(type(module), h) is not getattr(LightningModule, h) for h in _BETWEEN_STEP_HOOKS):
+        readers.append(f"{type(module).__name__} (LightningModule hooks)")
+    return readers
+
+
+def _is_compiled(module) -> bool:
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(optimized, "OptimizedModule", None)
+    return optimized is not None and any(isinstance(m, optimized) for m in module.modules())
 
 
 def _merge_by_rank(part: dict) -> dict:

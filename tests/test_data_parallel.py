@@ -121,7 +121,7 @@ def _train_worker(rank, world, opt_name, steps, kwargs):
 
 
 def _padding_is_zero(ddp: LayerwiseDataParallel, which: str) -> bool:
-    for plan, flat in zip(ddp.layout.buffers, ddp._buffers):
+    for plan, flat in zip(ddp.layout.buffers, ddp.flat_buffers):
         mask = torch.ones(plan.numel, dtype=torch.bool)
         for bucket in plan.buckets:
             for name in bucket.params:

@@ -1,5 +1,8 @@
 """Lightning Trainer features under strategy="layerwise", each against a reference run.
 
+Every multi-process test here takes about a second on 2 CPU cores (tiny model, forked
+gloo ranks); the two torch.compile tests take 2-20 s and are marked slow.
+
 The reference is ``strategy="ddp"`` on the same model, data and seed inside the same
 forked gloo worker (see ``tests/_dist.py``), so every value is compared rank by rank:
 checkpoint and resume (full optimizer state in the file, owned state after load),
@@ -7,6 +10,14 @@ LR schedulers with ``LearningRateMonitor``, BatchNorm (plain, synchronised throu
 ``LayerSync`` plugin, and ``sync_batchnorm=True``), validate/test/predict with uneven
 batch counts across ranks, ``fast_dev_run``/``max_steps``, manual optimization with and
 without ``clip_gradients``, teardown, and ``torch.compile``.
+
+Four tests fail against the current package and document bugs (each docstring says what
+fails and why): ``test_wrapper_keeps_the_nn_module_api`` and ``test_torch_compile_matches_ddp``
+(``LayerwiseDataParallel._buffers`` shadows ``nn.Module._buffers``),
+``test_torch_compile_reusing_code_compiled_without_the_wrappers_hooks`` (dynamo skips the
+forward pre-hooks that await the parameter all-gathers) and
+``test_callbacks_see_the_current_parameters`` (parameters are stale between
+``optimizer.step`` and the next forward).
 """
 
 from __future__ import annotations
@@ -17,7 +28,6 @@ import os
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.layer_sync import LayerSync
@@ -33,6 +43,19 @@ TOL = 1e-5
 
 # --- model, data, trainer -------------------------------------------------------------------------------------------
 
+class Core(nn.Module):
+    def __init__(self, norm: str = "layer"):
+        super().__init__()
+        self.emb = nn.Linear(7, 24)
+        norm_layer = nn.LayerNorm(33) if norm == "layer" else nn.BatchNorm1d(33)
+        self.body = nn.Sequential(nn.Linear(24, 33), nn.GELU(), norm_layer, nn.Linear(33, 24))
+        self.head = nn.Linear(24, 3)
+
+    def forward(self, x):
+        h = self.emb(x)
+        return self.head(h + self.body(h))
+
+
 class Net(L.LightningModule):
     """A small regressor; options select the feature under test."""
 
@@ -42,19 +65,12 @@ class Net(L.LightningModule):
         self.optimizer_name, self.scheduler_name, self.clip = optimizer, scheduler, clip
         self.automatic_optimization = not manual
         torch.manual_seed(0)
-        self.emb = nn.Linear(7, 24)
-        norm_layer = nn.LayerNorm(33) if norm == "layer" else nn.BatchNorm1d(33)
-        self.body = nn.Sequential(nn.Linear(24, 33), nn.GELU(), norm_layer, nn.Linear(33, 24))
-        self.head = nn.Linear(24, 3)
-        self.inner = torch.compile(self._inner) if compile_inner else self._inner
+        core = Core(norm)
+        self.core = torch.compile(core) if compile_inner else core
         self.calls = {"train": 0, "val": 0, "test": 0, "predict": 0}
 
-    def _inner(self, x):
-        h = self.emb(x)
-        return self.head(h + self.body(h))
-
     def forward(self, x):
-        return self.inner(x)
+        return self.core(x)
 
     def training_step(self, batch, batch_idx):
         self.calls["train"] += 1
@@ -122,11 +138,12 @@ def make_trainer(strategy, root: str, **kwargs) -> L.Trainer:
 
 
 def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+    """Parameters by name (a torch.compile'd submodule's ``_orig_mod.`` left out of the names)."""
+    return {n.replace("_orig_mod.", ""): p.detach().clone() for n, p in module.named_parameters()}
 
 
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in module.state_dict().items()}
+    return {n.replace("_orig_mod.", ""): t.detach().clone() for n, t in module.state_dict().items()}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -191,23 +208,27 @@ def _load(path: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+RESUME_SCHEDULER = {"adamw": "step", "muon": "onecycle"}
+
+
 def _resume_worker(rank, world, root, optimizer):
     out = {}
+    scheduler = RESUME_SCHEDULER[optimizer]
     # Reference: ddp, 8 steps, a checkpoint every 4 steps.
     ddp_dir = os.path.join(root, f"ddp_{optimizer}")
-    model = Net(optimizer)
+    model = Net(optimizer, scheduler=scheduler)
     make_trainer("ddp", root, max_steps=8, enable_checkpointing=True,
                  callbacks=[_ckpt_callback(ddp_dir)]).fit(model, train_loader())
     out["ddp"] = params_of(model)
 
     # Layerwise, 8 steps without interruption.
-    model = Net(optimizer)
+    model = Net(optimizer, scheduler=scheduler)
     make_trainer("layerwise", root, max_steps=8).fit(model, train_loader())
     out["lw8"] = params_of(model)
 
     # Layerwise, 4 steps; ModelCheckpoint writes during fit, save_checkpoint after fit (wrapper released).
     lw_dir = os.path.join(root, f"lw_{optimizer}")
-    model = Net(optimizer)
+    model = Net(optimizer, scheduler=scheduler)
     trainer = make_trainer("layerwise", root, max_steps=4, enable_checkpointing=True,
                            callbacks=[_ckpt_callback(lw_dir)])
     trainer.fit(model, train_loader())
@@ -218,7 +239,7 @@ def _resume_worker(rank, world, root, optimizer):
 
     # A new Trainer resumes from the step-4 checkpoint for 4 more steps.
     probe = OptimizerStateProbe()
-    model = Net(optimizer)
+    model = Net(optimizer, scheduler=scheduler)
     trainer = make_trainer("layerwise", root, max_steps=8, callbacks=[probe])
     trainer.fit(model, train_loader(), ckpt_path=os.path.join(lw_dir, "step=4.ckpt"))
     out["resumed"] = params_of(model)
@@ -246,7 +267,6 @@ def _assert_same_optimizer_state(actual: dict, expected: dict, what: str) -> Non
            [{k: v for k, v in g.items() if k != "params"} for g in expected["param_groups"]], what
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_checkpoint_and_resume_equal_an_uninterrupted_run_and_ddp(optimizer, tmp_path):
     results = run_distributed(_resume_worker, WORLD, str(tmp_path), optimizer)
@@ -271,6 +291,7 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run_and_ddp(optimizer, tmp
 
     ckpt, after_fit, ddp_ckpt = results[0]["ckpt_lw"], results[0]["ckpt_lw_after_fit"], results[0]["ckpt_ddp"]
     assert ckpt["global_step"] == ddp_ckpt["global_step"] == 4
+    assert ckpt["lr_schedulers"] == ddp_ckpt["lr_schedulers"] and len(ckpt["lr_schedulers"]) == 1
     # The file holds the FULL optimizer state: one entry for every parameter (all of them had gradients) ...
     assert len(ckpt["optimizer_states"]) == 1
     assert len(ckpt["optimizer_states"][0]["state"]) == n_params
@@ -280,8 +301,7 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run_and_ddp(optimizer, tmp
     _assert_same_optimizer_state(after_fit["optimizer_states"][0], ddp_ckpt["optimizer_states"][0],
                                  "save_checkpoint after fit")
     assert_close_dicts(ckpt["state_dict"], ddp_ckpt["state_dict"], what="model weights in the checkpoint")
-    assert_close_dicts(ckpt["state_dict"], {f"{k}": v for k, v in results[0]["lw4"].items()},
-                       what="checkpoint weights are the current parameters")
+    assert_close_dicts(ckpt["state_dict"], results[0]["lw4"], what="checkpoint weights are the current parameters")
     # The state restored on each rank is the checkpoint's, for its owned parameters.
     for r in results:
         index = {n: i for i, n in enumerate(r["probe"]["start"]["order"])}
@@ -332,7 +352,6 @@ def _scheduler_worker(rank, world, root):
     return out
 
 
-@pytest.mark.slow
 def test_lr_scheduler_and_lr_monitor_match_ddp(tmp_path):
     for rank, out in enumerate(run_distributed(_scheduler_worker, WORLD, str(tmp_path))):
         for optimizer in ("adamw", "muon"):
@@ -393,28 +412,38 @@ class CPUSyncBatchNormPlugin(LayerSync):
         return model
 
 
+class NormClassProbe(L.Callback):
+    """The class of the model's norm layer while training (Lightning reverts a LayerSync at teardown)."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = type(pl_module.core.body[2]).__name__
+
+
 def _batchnorm_worker(rank, world, root):
     out = {}
     for variant in ("plain", "layer_sync"):
         for strategy in ("ddp", "layerwise"):
             model = Net(norm="batch")
             plugins = [CPUSyncBatchNormPlugin()] if variant == "layer_sync" else []
-            make_trainer(strategy, root, max_steps=6, plugins=plugins).fit(model, train_loader())
-            out[(variant, strategy)] = {"state": state_of(model), "bn_class": type(model.body[2]).__name__}
+            probe = NormClassProbe()
+            make_trainer(strategy, root, max_steps=6, plugins=plugins, callbacks=[probe]).fit(model, train_loader())
+            out[(variant, strategy)] = {"state": state_of(model), "bn_class": probe.seen,
+                                        "bn_class_after": type(model.core.body[2]).__name__}
     # sync_batchnorm=True installs torch.nn.SyncBatchNorm, which runs on GPUs only.
     for strategy in ("ddp", "layerwise"):
         model = Net(norm="batch")
+        probe = NormClassProbe()
         try:
-            make_trainer(strategy, root, max_steps=2, sync_batchnorm=True).fit(model, train_loader())
+            make_trainer(strategy, root, max_steps=2, sync_batchnorm=True, callbacks=[probe]).fit(
+                model, train_loader())
             error = None
         except ValueError as e:
             error = str(e)
-        out[("sync_batchnorm", strategy)] = {"error": error, "bn_class": type(model.body[2]).__name__,
+        out[("sync_batchnorm", strategy)] = {"error": error, "bn_class": getattr(probe, "seen", None),
                                              "plain": owns_storage(model), "state": state_of(model)}
     return out
 
 
-@pytest.mark.slow
 def test_batchnorm_and_sync_batchnorm_match_ddp(tmp_path):
     results = run_distributed(_batchnorm_worker, WORLD, str(tmp_path))
     for rank, out in enumerate(results):
@@ -425,21 +454,24 @@ def test_batchnorm_and_sync_batchnorm_match_ddp(tmp_path):
             # Parameters and the running statistics (broadcast from rank 0 before each forward, as ddp does).
             assert_close_dicts(lw["state"], ddp["state"], what=f"rank {rank} {variant}")
         assert out[("layer_sync", "layerwise")]["bn_class"] == "CPUSyncBatchNorm1d"
-        sync_rm = out[("layer_sync", "layerwise")]["state"]["body.2.running_mean"]
-        plain_rm = out[("plain", "layerwise")]["state"]["body.2.running_mean"]
+        assert out[("layer_sync", "layerwise")]["bn_class_after"] == "BatchNorm1d", "reverted at teardown"
+        sync_rm = out[("layer_sync", "layerwise")]["state"]["core.body.2.running_mean"]
+        plain_rm = out[("plain", "layerwise")]["state"]["core.body.2.running_mean"]
         assert rel_err(sync_rm, plain_rm) > 1e-3, "synchronised statistics differ from per-rank ones"
-        for strategy in ("ddp", "layerwise"):
-            res = out[("sync_batchnorm", strategy)]
-            assert res["bn_class"] == "SyncBatchNorm", res
-            assert res["error"] is not None and "SyncBatchNorm expected input tensor to be on GPU" in res["error"]
-        assert out[("sync_batchnorm", "layerwise")]["error"] == out[("sync_batchnorm", "ddp")]["error"]
+        # On CPU both refuse torch.nn.SyncBatchNorm with a ValueError on every rank (no hang): ddp when
+        # DistributedDataParallel wraps the model ("SyncBatchNorm layers only work with GPU modules"),
+        # layerwise only at the first training forward, from torch's SyncBatchNorm.forward.
+        ddp_err, lw_err = out[("sync_batchnorm", "ddp")]["error"], out[("sync_batchnorm", "layerwise")]["error"]
+        assert ddp_err is not None and "SyncBatchNorm layers only work with GPU modules" in ddp_err, ddp_err
+        assert lw_err is not None and "SyncBatchNorm expected input tensor to be on GPU" in lw_err, lw_err
+        assert out[("sync_batchnorm", "layerwise")]["bn_class"] == "SyncBatchNorm", "the layers were converted"
         assert out[("sync_batchnorm", "layerwise")]["plain"], "a failed fit still releases the flat buffers"
     # With global statistics every rank updates the running stats identically; per-rank ones differ.
     for strategy in ("ddp", "layerwise"):
         a, b = (r[("layer_sync", strategy)]["state"] for r in results)
-        assert torch.allclose(a["body.2.running_mean"], b["body.2.running_mean"], rtol=1e-5, atol=1e-7)
+        assert torch.allclose(a["core.body.2.running_mean"], b["core.body.2.running_mean"], rtol=1e-5, atol=1e-7)
         a, b = (r[("plain", strategy)]["state"] for r in results)
-        assert not torch.allclose(a["body.2.running_mean"], b["body.2.running_mean"], rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(a["core.body.2.running_mean"], b["core.body.2.running_mean"], rtol=1e-5, atol=1e-7)
 
 
 # --- 4. validate / test / predict, with uneven batch counts -------------------------------------------------------
@@ -496,7 +528,6 @@ def _eval_worker(rank, world, root):
     return out
 
 
-@pytest.mark.slow
 def test_validate_test_predict_match_ddp_with_uneven_batches(tmp_path):
     results = run_distributed(_eval_worker, WORLD, str(tmp_path), timeout=180)
     for rank, out in enumerate(results):
@@ -521,11 +552,12 @@ def test_validate_test_predict_match_ddp_with_uneven_batches(tmp_path):
                 assert got.shape == want.shape and rel_err(got, want) <= TOL, phase
         assert rel_err(torch.tensor(lw["standalone"]["validate"][0]["val_loss"]),
                        torch.tensor(lw["after_fit"]["validate"][0]["val_loss"])) > 1e-3, "fit changed the metric"
-    # sync_dist: every rank logs the same value, the mean of the ranks' (sample-weighted) losses.
+    # sync_dist: every rank logs the same value.
     for strategy in ("ddp", "layerwise"):
         values = [r[strategy]["after_fit"]["validate"][0]["val_loss"] for r in results]
         assert values[0] == pytest.approx(values[1], rel=1e-6)
-        expected = sum(r[strategy]["local_mse"] for r in results) / WORLD
+        # Lightning weights each batch by its size, over all ranks: (5 * loss_0 + 3 * loss_1) / 8.
+        expected = (5 * results[0][strategy]["local_mse"] + 3 * results[1][strategy]["local_mse"]) / 8
         assert values[0] == pytest.approx(expected, rel=1e-5)
 
 
@@ -548,7 +580,6 @@ def _stopping_worker(rank, world, root):
     return out
 
 
-@pytest.mark.slow
 def test_fast_dev_run_and_max_steps_stop_where_ddp_stops(tmp_path):
     for rank, out in enumerate(run_distributed(_stopping_worker, WORLD, str(tmp_path))):
         for case, step, train_calls, val_calls in (("fast_dev_run", 1, 1, 1), ("max_steps", 6, 6, 0)):
@@ -573,7 +604,6 @@ def _manual_worker(rank, world, root):
     return out
 
 
-@pytest.mark.slow
 def test_manual_optimization_and_clip_gradients_match_ddp(tmp_path):
     for rank, out in enumerate(run_distributed(_manual_worker, WORLD, str(tmp_path))):
         for optimizer, clip in (("adamw", None), ("adamw", 0.05), ("muon", 0.05)):
@@ -610,8 +640,9 @@ def _teardown_worker(rank, world, root):
         res["plain2"] = owns_storage(model)
         with torch.no_grad():
             res["forward2"] = model(x)
-        # The module still trains like a plain one (no stale hooks or views): one SGD step by hand.
+        # A plain backward on the module (no stale hooks or views) gives the gradients ddp gives.
         model.train()
+        model.zero_grad(set_to_none=True)
         loss = model(x).square().mean()
         loss.backward()
         res["grads_after"] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -619,7 +650,6 @@ def _teardown_worker(rank, world, root):
     return out
 
 
-@pytest.mark.slow
 def test_teardown_leaves_an_ordinary_module_that_fits_again(tmp_path):
     for rank, out in enumerate(run_distributed(_teardown_worker, WORLD, str(tmp_path))):
         ddp, lw = out["ddp"], out["layerwise"]
@@ -638,29 +668,144 @@ def test_teardown_leaves_an_ordinary_module_that_fits_again(tmp_path):
 
 # --- 9. torch.compile ----------------------------------------------------------------------------------------------
 
+def _compiled_fit(strategy, root, variant):
+    model = Net(compile_inner=(variant == "inner"))
+    fit_model = torch.compile(model) if variant == "module" else model
+    trainer = make_trainer(strategy, root, max_steps=5)
+    trainer.fit(fit_model, train_loader())
+    return {"params": params_of(model), "step": trainer.global_step, "calls": model.calls["train"]}
+
+
 def _compile_worker(rank, world, root):
-    out = {}
     torch._dynamo.reset()
+    out = {}
     for variant in ("inner", "module"):
-        for strategy in ("ddp", "layerwise"):
-            if variant == "inner":
-                model = Net(compile_inner=True)
-                fit_model = model
-            else:
-                model = Net()
-                fit_model = torch.compile(model)
-            trainer = make_trainer(strategy, root, max_steps=5)
-            trainer.fit(fit_model, train_loader())
-            out[(variant, strategy)] = {"params": params_of(model), "step": trainer.global_step,
-                                        "calls": model.calls["train"]}
+        # layerwise first: dynamo traces the model with the wrapper's forward pre-hooks in place.
+        for strategy in ("layerwise", "ddp"):
+            out[(variant, strategy)] = _compiled_fit(strategy, root, variant)
     return out
 
 
 @pytest.mark.slow
 def test_torch_compile_matches_ddp(tmp_path):
+    """A compiled submodule (``self.core = torch.compile(Core())``) and ``trainer.fit(torch.compile(model))``.
+
+    Fails today: tracing the wrapper's forward pre-hook makes dynamo wrap the
+    ``LayerwiseDataParallel`` module, whose ``_buffers`` attribute (a list of FlatBuffers)
+    shadows ``nn.Module._buffers``, so ``named_buffers()`` raises
+    ``InternalTorchDynamoError: AttributeError: 'list' object has no attribute 'items'``
+    (see ``test_wrapper_keeps_the_nn_module_api``).
+    """
     for rank, out in enumerate(run_distributed(_compile_worker, WORLD, str(tmp_path), timeout=400)):
         for variant in ("inner", "module"):
             ddp, lw = out[(variant, "ddp")], out[(variant, "layerwise")]
             assert ddp["step"] == lw["step"] == 5
+            assert ddp["calls"] == lw["calls"] == 5
             assert_trained(lw["params"], variant)
             assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} compiled {variant}")
+
+
+SMALL_BUCKETS = 512  # ~2000 trainable elements: several buckets, more than prefetch_depth=2
+
+
+def _compile_cached_worker(rank, world, root):
+    torch._dynamo.reset()
+    out = {}
+    for strategy in ("ddp", "layerwise"):  # control: eager, small buckets
+        model = Net()
+        make_trainer(strategy if strategy == "ddp" else llw.LayerwiseStrategy(bucket_size=SMALL_BUCKETS), root,
+                     max_steps=5).fit(model, train_loader())
+        out[("eager", strategy)] = params_of(model)
+    for strategy in ("ddp", "layerwise"):  # ddp compiles Core.forward first, without any forward pre-hook
+        model = Net(compile_inner=True)
+        make_trainer(strategy if strategy == "ddp" else llw.LayerwiseStrategy(bucket_size=SMALL_BUCKETS), root,
+                     max_steps=5).fit(model, train_loader())
+        out[("compiled", strategy)] = params_of(model)
+    return out
+
+
+@pytest.mark.slow
+def test_torch_compile_reusing_code_compiled_without_the_wrappers_hooks(tmp_path):
+    """Layerwise after dynamo already compiled the model's forward in this process (here under ddp).
+
+    Dynamo does not guard on nn.Module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``
+    is True by default), so the cached graph runs without the wrapper's forward pre-hooks:
+    nothing waits for (or dispatches, past ``prefetch_depth``) the parameter all-gathers, and
+    the forward reads the previous step's values of parameters owned by the other rank.
+    Fails today (silently wrong parameters, no error).
+    """
+    for rank, out in enumerate(run_distributed(_compile_cached_worker, WORLD, str(tmp_path), timeout=400)):
+        assert_trained(out[("eager", "layerwise")])
+        assert_close_dicts(out[("eager", "layerwise")], out[("eager", "ddp")], what=f"rank {rank} eager control")
+        assert_close_dicts(out[("compiled", "ddp")], out[("eager", "ddp")], tol=1e-5, what="compiled ddp")
+        assert_close_dicts(out[("compiled", "layerwise")], out[("compiled", "ddp")],
+                           what=f"rank {rank} compiled layerwise after an earlier compile")
+
+
+# --- more: the wrapper as an nn.Module; parameters seen by callbacks ------------------------------------------------
+
+def test_wrapper_keeps_the_nn_module_api():
+    """``LayerwiseDataParallel`` is an ``nn.Module``; its module-API methods must keep working.
+
+    Fails today: ``LayerwiseDataParallel.__init__`` assigns ``self._buffers = allocate_buffers(...)``
+    (a list), overwriting ``nn.Module._buffers`` (the dict of registered buffers), so
+    ``named_buffers()``, ``buffers()``, ``state_dict()``, ``.to()``/``.float()`` raise
+    ``AttributeError: 'list' object has no attribute 'items'``, and so does torch.compile
+    when it traces a forward pre-hook that refers to the wrapper.
+    """
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    expected_state = {k: v.clone() for k, v in inner.state_dict().items()}
+    wrapper = llw.LayerwiseDataParallel(inner, process_groups=llw.ProcessGroups.single())
+    assert [n for n, _ in wrapper.named_buffers()] == [
+        "module.1.running_mean", "module.1.running_var", "module.1.num_batches_tracked"]
+    assert len(list(wrapper.buffers())) == 3
+    state = wrapper.state_dict()
+    assert_close_dicts({k.removeprefix("module."): v for k, v in state.items()}, expected_state)
+    assert wrapper.float() is wrapper and wrapper.to(torch.device("cpu")) is wrapper
+    out = wrapper(torch.randn(5, 3))
+    assert out.shape == (5, 4)
+
+
+class ParamRecorder(L.Callback):
+    """What a callback (EMA, SWA, weight logging...) sees of the parameters between optimizer steps."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, dict]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append((f"batch_end {batch_idx}", params_of(pl_module)))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.seen.append((f"epoch_end {trainer.current_epoch}", params_of(pl_module)))
+
+
+def _callback_worker(rank, world, root):
+    out = {}
+    for name, strategy in (("ddp", "ddp"), ("layerwise", "layerwise"),
+                           ("layerwise_small_buckets", llw.LayerwiseStrategy(bucket_size=SMALL_BUCKETS))):
+        recorder = ParamRecorder()
+        model = Net()
+        make_trainer(strategy, root, max_steps=6, callbacks=[recorder]).fit(model, train_loader())
+        out[name] = recorder.seen
+    return out
+
+
+def test_callbacks_see_the_current_parameters(tmp_path):
+    """``on_train_batch_end``/``on_train_epoch_end`` callbacks read the parameters just stepped.
+
+    Fails today: after ``optimizer.step`` the strategy only *starts* the all-gather
+    (``start_param_sync``); it is awaited by the next forward's pre-hooks. Between the two,
+    parameters owned by another rank still hold the previous step's values (buckets past
+    ``prefetch_depth`` are not even dispatched, the others race with the gloo thread), so
+    Lightning's ``StochasticWeightAveraging``, EMA callbacks or weight logging see stale
+    weights on every rank but the owner. ``on_train_end`` and checkpoints are synced.
+    """
+    for rank, out in enumerate(run_distributed(_callback_worker, WORLD, str(tmp_path))):
+        reference = out["ddp"]
+        assert [w for w, _ in reference] == [f"batch_end {i}" for i in range(4)] + ["epoch_end 0"] + [
+            f"batch_end {i}" for i in range(2)] + ["epoch_end 1"]
+        for name in ("layerwise", "layerwise_small_buckets"):
+            assert [w for w, _ in out[name]] == [w for w, _ in reference]
+            for (when, got), (_, want) in zip(out[name], reference):
+                assert_close_dicts(got, want, what=f"rank {rank} {name} at {when}")
