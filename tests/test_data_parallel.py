@@ -155,7 +155,7 @@ def test_owned_grads_equal_reference(world, bucket_size):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
 def test_training_equals_single_process(world, opt_name):
     steps = 10
