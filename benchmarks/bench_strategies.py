@@ -2,7 +2,7 @@
 
 Run from the repository root (default: the example GPT of ``examples/configs/cpu.yaml``,
 2 CPU processes on gloo, 3 interleaved repeats of 4 configurations, 25 timed steps
-each; about 4 to 7 minutes on 2 shared CPU cores)::
+each; 3 to 6 minutes on 2 shared CPU cores, depending on their load)::
 
     .venv/bin/python benchmarks/bench_strategies.py
     .venv/bin/python benchmarks/bench_strategies.py --steps 40 --repeats 5 --n-layer 6 --n-embd 256
@@ -16,9 +16,11 @@ Configurations (peers in the same run, same seed, same data order, same initial 
     layerwise_adamw  Trainer(strategy="layerwise"), torch.optim.AdamW on the owned params
     layerwise_muon   Trainer(strategy="layerwise"), llw.Muon on the owned params
 
-AdamW: ``lr=3e-3, betas=(0.9, 0.95), weight_decay=0``. Muon: ``lr=0.02`` (momentum
-0.95, Nesterov, 5 Newton-Schulz steps in bf16), its AdamW groups as AdamW. Gradient
-clipping by norm 1.0 and ``LayerwiseStrategy(bucket_size=200_000)``, as in cpu.yaml.
+AdamW: ``lr=1e-3, betas=(0.9, 0.95), weight_decay=0`` (the best of a short sweep, see
+docs/benchmarks.md). Muon as in cpu.yaml: ``lr=0.02`` (momentum 0.95, Nesterov, 5
+Newton-Schulz steps in bf16), ``adamw_lr=3e-3`` for embeddings, the tied head, biases
+and norms. Gradient clipping by norm 1.0 and ``LayerwiseStrategy(bucket_size=200_000)``,
+as in cpu.yaml.
 
 Each configuration runs in a fresh ``python benchmarks/bench_strategies.py --_worker NAME``
 subprocess with ``OMP_NUM_THREADS=1`` per rank on CPU. Lightning's subprocess launcher
@@ -47,6 +49,15 @@ the maximum over ranks of each step, then the median over steps):
   their ``.grad`` (for ``layerwise``: the flat buffers, padding included); ``ddp``'s
   internal bucket copy of the gradients is reported separately when torch exposes it;
 * the training loss of every step (mean over ranks = the global batch's loss).
+
+Note [overlap in the benchmark]
+    The probe callback overrides ``on_train_batch_end``, so with
+    ``overlap_param_gather="auto"`` (the strategy's default) the strategy would
+    complete the all-gather inside every step, assuming the callback reads
+    parameters. It only reads the loss and the clock, so the benchmark passes
+    ``overlap_param_gather=True`` (the all-gather overlaps the next forward, as in
+    a run without such callbacks); ``--overlap-param-gather false`` measures the
+    non-overlapped step.
 
 On CUDA every timestamp is taken after ``torch.cuda.synchronize()`` and the peak of
 ``torch.cuda.max_memory_allocated`` is reported; on CPU the peak RSS of each rank.
@@ -104,10 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--n-embd", type=int, default=128)
-    parser.add_argument("--adamw-lr", type=float, default=3e-3, help="AdamW lr (also Muon's AdamW groups)")
-    parser.add_argument("--muon-lr", type=float, default=0.02)
+    parser.add_argument("--adamw-lr", type=float, default=1e-3, help="lr of the AdamW configurations")
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon lr of the hidden matrices")
+    parser.add_argument("--muon-adamw-lr", type=float, default=3e-3, help="Muon's adamw_lr (cpu.yaml)")
     parser.add_argument("--ns-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--bucket-size", type=int, default=200_000, help="layerwise bucket_size (cpu.yaml)")
+    parser.add_argument("--overlap-param-gather", default="true", choices=["true", "false", "auto"],
+                        help="layerwise overlap_param_gather; see Note [overlap in the benchmark]")
     parser.add_argument("--gradient-clip-val", type=float, default=1.0, help="0 disables clipping")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--threads", type=int, default=1, help="torch/OMP threads per rank on CPU")
@@ -148,7 +162,8 @@ def run_worker(args: argparse.Namespace) -> None:
     def make_optimizer(groups):
         if optimizer_name == "adamw":
             return torch.optim.AdamW(groups, lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
-        return llw.Muon(groups, lr=args.muon_lr, adamw_lr=args.adamw_lr, ns_dtype=getattr(torch, args.ns_dtype))
+        return llw.Muon(groups, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr,
+                        ns_dtype=getattr(torch, args.ns_dtype))
 
     class Probe(L.Callback):
         """Clock readings at five points of every step, and memory, on this rank."""
@@ -169,6 +184,8 @@ def run_worker(args: argparse.Namespace) -> None:
                                       "process": time.process_time()})
 
         def on_train_start(self, trainer, pl_module) -> None:
+            if cuda:  # here the rank's device is set; earlier would touch GPU 0 from every rank
+                torch.cuda.reset_peak_memory_stats()
             self.param_bytes = _storage_bytes(p for p in pl_module.parameters())
             trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
             self.ddp_bucket_bytes = _ddp_bucket_bytes(trainer.strategy.model)
@@ -206,15 +223,14 @@ def run_worker(args: argparse.Namespace) -> None:
     probe = Probe()
     strategy: Any = strategy_name
     if strategy_name == "layerwise":
-        strategy = llw.LayerwiseStrategy(bucket_size=args.bucket_size)
+        overlap = {"true": True, "false": False, "auto": "auto"}[args.overlap_param_gather]
+        strategy = llw.LayerwiseStrategy(bucket_size=args.bucket_size, overlap_param_gather=overlap)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu", devices=args.devices, strategy=strategy, precision=args.precision,
         max_steps=args.warmup + args.steps, gradient_clip_val=args.gradient_clip_val or None,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, datamodule=dm)
 
     w = args.warmup
@@ -317,6 +333,7 @@ def summarize_run(run: dict) -> dict:
         # A step ends when the slowest rank ends it: the maximum over ranks, step by step.
         per_step = [max(values) for values in zip(*(r[name + "_ms"] for r in ranks))]
         out[name + "_ms"] = statistics.median(per_step)
+        out[name + "_ms_steps"] = per_step
     out["opt_cpu_ms_per_rank"] = [statistics.median(r["opt_cpu_ms"]) for r in ranks]
     state = [r["optimizer_state_bytes_peak"] for r in ranks]
     losses = [statistics.fmean(values) for values in zip(*(r["losses"] for r in ranks))]
@@ -343,6 +360,8 @@ def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
             values = [r[key + "_ms"] for r in rs]
             row[key + "_ms_median"] = statistics.median(values)
             row[key + "_ms_runs"] = values
+        row["step_ms_steps_runs"] = [r["step_ms_steps"] for r in rs]
+        row["step_cpu_ms_steps_runs"] = [r["step_cpu_ms_steps"] for r in rs]
         first = rs[0]
         row.update(
             opt_cpu_ms_per_rank_median=[statistics.median(v) for v in zip(*(r["opt_cpu_ms_per_rank"] for r in rs))],
@@ -412,6 +431,16 @@ def print_table(table: dict[str, dict], meta: dict) -> None:
                   f"state/rank x{r['state_ratio_vs_ddp_same_optimizer']:.2f}")
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def count_params(args: argparse.Namespace, vocab_size: int) -> int:
     from examples.gpt import GPT, GPTConfig
 
@@ -460,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         "backend": "gloo" if args.accelerator == "cpu" else "nccl",
         "devices": args.devices,
         "device_name": (torch.cuda.get_device_name() if args.accelerator == "gpu" and torch.cuda.is_available()
-                        else platform.processor() or platform.machine()),
+                        else cpu_name()),
         "cpu_count": os.cpu_count(),
         "threads_per_rank": args.threads if args.accelerator == "cpu" else None,
         "load_avg_1min_start": load_start,
