@@ -12,6 +12,7 @@ import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -56,8 +57,6 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             _worker, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size,
             join=False, start_method="fork",
         )
-        import time
-
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -70,14 +69,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 if p.is_alive():
                     p.kill()
             raise
-        results = []
+        outcomes = {}
         for rank in range(world_size):
             path = os.path.join(outdir, f"rank{rank}.pkl")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} died without a result (exit code {ctx.processes[rank].exitcode})")
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results.append(value)
-        return results
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    outcomes[rank] = pickle.load(f)
+        # Every failing rank's traceback: one rank's error often surfaces as another's broken collective.
+        errors = [f"rank {rank} failed:\n{value}" for rank, (status, value) in sorted(outcomes.items())
+                  if status == "error"]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        missing = [r for r in range(world_size) if r not in outcomes]
+        if missing:
+            codes = {r: ctx.processes[r].exitcode for r in missing}
+            raise RuntimeError(f"ranks {missing} died without a result (exit codes {codes})")
+        return [outcomes[r][1] for r in range(world_size)]

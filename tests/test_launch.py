@@ -56,33 +56,29 @@ def test_torchrun(tmp_path):
     assert {r["environment"] for r in recs} == {"TorchElasticEnvironment"}
 
 
+def run_together(args: list[str], envs: list[dict[str, str]], timeout: float = 240) -> None:
+    """Starts one process per environment (as srun or one launcher per node would) and waits for all."""
+    procs = [subprocess.Popen([sys.executable, SCRIPT, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for env in envs]
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-5000:]
+
+
 def test_slurm_environment_variables(tmp_path):
     port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = clean_env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank),
-                        SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="layerwise",
-                        SLURM_NODELIST="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), "--strategy", "layerwise",
-                                       "--devices", "2"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-5000:]
+    envs = [clean_env(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                      SLURM_NODEID="0", SLURM_JOB_ID="4242", SLURM_JOB_NAME="layerwise", SLURM_NODELIST="127.0.0.1",
+                      MASTER_PORT=port)
+            for rank in range(2)]
+    run_together([str(tmp_path), "--strategy", "layerwise", "--devices", "2"], envs)
     recs = records(tmp_path, 2)
     assert {r["environment"] for r in recs} == {"SLURMEnvironment"}
 
 
 def test_two_nodes_on_loopback(tmp_path):
     port = str(free_port())
-    procs = []
-    for node in range(2):
-        env = clean_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT, str(tmp_path), "--strategy", "layerwise",
-                                       "--devices", "1", "--num_nodes", "2"], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    for p in procs:
-        out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-5000:]
+    envs = [clean_env(NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port) for node in range(2)]
+    run_together([str(tmp_path), "--strategy", "layerwise", "--devices", "1", "--num_nodes", "2"], envs)
     recs = records(tmp_path, 2)
     assert sorted(r["node_rank"] for r in recs) == [0, 1]
