@@ -42,11 +42,11 @@ def records(outdir: Path, world: int) -> list[dict]:
     return recs
 
 
-@pytest.mark.parametrize("strategy", ["layerwise", "layerwise_spawn"])
-def test_devices_on_one_machine(tmp_path, strategy):
-    run([sys.executable, SCRIPT, str(tmp_path), "--strategy", strategy, "--devices", "2"],
+@pytest.mark.parametrize("strategy, devices", [("layerwise", 1), ("layerwise", 2), ("layerwise_spawn", 2)])
+def test_devices_on_one_machine(tmp_path, strategy, devices):
+    run([sys.executable, SCRIPT, str(tmp_path), "--strategy", strategy, "--devices", str(devices)],
         clean_env(MASTER_PORT=str(free_port())))
-    records(tmp_path, 2)
+    records(tmp_path, devices)
 
 
 def test_torchrun(tmp_path):
