@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="layerwise")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num_nodes", type=int, default=1)
+    parser.add_argument("--die_at_step", type=int, default=None, help="global rank 1 exits hard at this step")
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(1)
@@ -51,8 +52,19 @@ def main() -> None:
     model = Tiny()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=args.strategy,
                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[Record(args.outdir)])
+                        enable_model_summary=False, callbacks=[Record(args.outdir), Die(args.die_at_step)])
     trainer.fit(model, data)
+
+
+class Die(L.Callback):
+    """Simulates a crashed rank: global rank 1 exits without cleaning up."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.step is not None and trainer.global_rank == 1 and trainer.global_step == self.step:
+            os._exit(3)
 
 
 class Record(L.Callback):

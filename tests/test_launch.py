@@ -82,3 +82,13 @@ def test_two_nodes_on_loopback(tmp_path):
     run_together([str(tmp_path), "--strategy", "layerwise", "--devices", "1", "--num_nodes", "2"], envs)
     recs = records(tmp_path, 2)
     assert sorted(r["node_rank"] for r in recs) == [0, 1]
+
+
+def test_a_dead_rank_ends_the_job_with_an_error(tmp_path):
+    """Rank 1 exits hard mid-training: rank 0 must fail with an error instead of hanging."""
+    result = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--strategy", "layerwise", "--devices", "2",
+                             "--die_at_step", "2"], env=clean_env(MASTER_PORT=str(free_port())), cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Connection" in result.stderr or "Error" in result.stderr
+    assert not list(tmp_path.glob("rank*.json")), "the fit must not complete"
