@@ -185,6 +185,11 @@ class LayerwiseDataParallel(nn.Module):
         return list(self._buckets)
 
     @property
+    def reduces_on_backward(self) -> bool:
+        """False inside :meth:`no_sync`: backward then only accumulates locally."""
+        return self._micro_batch_is_last
+
+    @property
     def flat_buffers(self) -> list[FlatBuffer]:
         """The flat param and grad tensors, one pair per layout buffer."""
         return list(self._flat_buffers)

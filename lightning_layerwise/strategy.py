@@ -209,7 +209,7 @@ class LayerwiseStrategy(DDPStrategy):
 
     def _needs_sync_after_step(self, trainer) -> bool:
         """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
-        if self.overlap_param_gather is not True and self.overlap_param_gather is not False:
+        if self.overlap_param_gather == "auto":
             readers = _parameter_readers(trainer)
             if readers:
                 rank_zero_info(f"LayerwiseStrategy: {', '.join(readers)} run between optimizer steps, so "
@@ -252,7 +252,7 @@ class LayerwiseStrategy(DDPStrategy):
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         wrapper = self.wrapper
-        if wrapper is not None and wrapper._micro_batch_is_last:
+        if wrapper is not None and wrapper.reduces_on_backward:
             wrapper.finish_grad_sync()
             if self._masters is not None:
                 self._masters.attach_grads()
