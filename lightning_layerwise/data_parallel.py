@@ -154,6 +154,11 @@ class LayerwiseDataParallel(nn.Module):
                 self._buckets.append(bucket)
                 for p in params:
                     self._bucket_of[p] = bucket
+        # Each parameter's slot in its grad buffer, made once: the backward hook runs per parameter per step.
+        self._grad_views: dict[nn.Parameter, torch.Tensor] = {
+            p: view_of(self._flat_buffers[self.layout.params[n].buffer].grads, self.layout.params[n])
+            for p, n in self._param_names.items()
+        }
         self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
         self._owned = {p for p, name in self._param_names.items() if self.layout.params[name].owner == self.dp_rank}
@@ -242,10 +247,8 @@ class LayerwiseDataParallel(nn.Module):
                 f"a gradient for {name!r} arrived after its bucket was reduced in this step. Run one backward "
                 "per optimizer step, or wrap all but the last micro-batch's backward in no_sync()."
             )
-        grad = param.grad
         self._seen.add(param)
-        slot = self.layout.params[self._param_names[param]]
-        view_of(self._flat_buffers[slot.buffer].grads, slot).add_(grad)
+        self._grad_views[param].add_(param.grad)
         param.grad = None
         if not self._micro_batch_is_last:
             return
@@ -286,10 +289,9 @@ class LayerwiseDataParallel(nn.Module):
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
-        for param, name in self._param_names.items():
+        for param in self._param_names:
             if param in self._owned:
-                slot = self.layout.params[name]
-                main_grad = view_of(self._flat_buffers[slot.buffer].grads, slot)
+                main_grad = self._grad_views[param]
                 if param not in self._seen and not main_grad.any():
                     # Unused on every rank: no gradient, as without the wrapper (an optimizer
                     # must not decay or add momentum to a parameter the loss never touched).
@@ -430,6 +432,7 @@ class LayerwiseDataParallel(nn.Module):
                     del p.main_grad
         self._flat_buffers = []
         self._buckets = []
+        self._grad_views = {}
         return self.module
 
 
