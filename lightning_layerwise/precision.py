@@ -118,6 +118,12 @@ class MasterWeights:
         for p, master in self.pairs:
             p.copy_(master)
 
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Sets the masters to the (just loaded) parameters; a checkpoint's masters then override them."""
+        for p, master in self.pairs:
+            master.copy_(p)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's masters by parameter name (on CPU)."""
         return {self.names[m]: m.detach().cpu() for _, m in self.pairs}

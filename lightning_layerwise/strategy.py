@@ -13,20 +13,25 @@ rest is a handful of hook overrides that call into the engine:
 * after ``optimizer.step``: ``start_param_sync`` (async all-gather, awaited by the
   next forward's pre-hooks);
 * before evaluation, checkpointing and teardown: ``finish_param_sync``;
-* the optimizer state, sharded by ownership, is gathered into one full state
-  dict for a checkpoint and pruned back to the owned part on load.
+* checkpoints are keyed by parameter name and written either sharded (each rank
+  writes what it owns, ``torch.distributed.checkpoint``) or as one full file; on
+  load each rank keeps the state of the parameters it owns under the new
+  layout (``checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.callbacks import (
@@ -46,6 +51,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE
 from .precision import MasterWeights, adapt_precision_plugin
@@ -84,8 +90,13 @@ class LayerwiseStrategy(DDPStrategy):
             (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the parameter dtype.
         broadcast_buffers: broadcast module buffers from rank 0 at every training
             forward, as ``ddp`` does.
-        checkpoint_format: ``"full"``: rank 0 writes one ordinary Lightning checkpoint
-            holding the full model and the full (gathered) optimizer state.
+        checkpoint_format: ``"sharded"`` (default): a directory written with
+            ``torch.distributed.checkpoint`` in which each rank writes the parameters it
+            owns and their optimizer state, keyed by parameter name, plus Lightning's
+            ``meta.pt``. ``"full"``: rank 0 writes one ordinary Lightning checkpoint file
+            with the full model and the optimizer state gathered to it, keyed by
+            parameter name (loadable by ``ddp`` and ``load_from_checkpoint``). Both
+            resume at any world size and bucket size; see docs/checkpointing.md.
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -102,7 +113,7 @@ class LayerwiseStrategy(DDPStrategy):
         separate_all_gather_group: bool = True,
         grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
         broadcast_buffers: bool = True,
-        checkpoint_format: Literal["full"] = "full",
+        checkpoint_format: Literal["sharded", "full"] = "sharded",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -123,9 +134,9 @@ class LayerwiseStrategy(DDPStrategy):
         if grad_reduce_dtype is not None and grad_reduce_dtype not in _DTYPES:
             raise ValueError(f"LayerwiseStrategy(grad_reduce_dtype={grad_reduce_dtype!r}): use one of "
                              f"{sorted(_DTYPES)} or None (the parameter dtype).")
-        if checkpoint_format != "full":
-            raise ValueError(f"LayerwiseStrategy(checkpoint_format={checkpoint_format!r}): only 'full' is "
-                             "available (one Lightning checkpoint with the gathered optimizer state).")
+        if checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"LayerwiseStrategy(checkpoint_format={checkpoint_format!r}): use 'sharded' (a "
+                             "directory, each rank writes what it owns) or 'full' (one file written by rank 0).")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"LayerwiseStrategy(start_method={start_method!r}): use 'popen', 'spawn', 'fork' "
                              "or 'forkserver'.")
@@ -148,6 +159,8 @@ class LayerwiseStrategy(DDPStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
         self._masters: Optional[MasterWeights] = None
+        # parameter (or master weight) -> name, for checkpoints keyed by name; kept after teardown
+        self._names: dict[torch.Tensor, str] = {}
         self._sync_after_step = False  # complete the all-gather inside optimizer_step (see setup)
 
     # --- accelerators ----------------------------------------------------------------
@@ -205,6 +218,7 @@ class LayerwiseStrategy(DDPStrategy):
             adapt_precision_plugin(self.precision_plugin, self)
             if self._half_true() and self.optimizers:
                 self._masters = MasterWeights(self.wrapper, self.optimizers[0])
+            self._names = _parameter_names(self.lightning_module, self._masters)
             self._sync_after_step = self._needs_sync_after_step(trainer)
 
     def _needs_sync_after_step(self, trainer) -> bool:
@@ -300,6 +314,13 @@ class LayerwiseStrategy(DDPStrategy):
         super().on_predict_start()
 
     # --- checkpoints -----------------------------------------------------------------
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Load after wrapping: the layout (who owns what) decides which optimizer state a
+        # rank keeps and, for a sharded checkpoint, which parameters it reads.
+        return True
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.sync_parameters()
@@ -307,33 +328,176 @@ class LayerwiseStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state: every rank's owned entries gathered (collective)."""
+        """The optimizer state keyed by parameter name (Note [checkpoint keys] in ``checkpoint.py``).
+
+        ``"sharded"``: this rank's owned part. ``"full"``: every rank's part gathered to
+        rank 0 (collective); the other ranks get an empty state.
+        """
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        local = optimizer.state_dict()
-        distributed = _distributed_is_initialized() and dist.get_world_size() > 1
-        full = {"state": local["state"], "param_groups": local["param_groups"]}
-        if distributed:
-            full["state"] = _merge_by_rank({k: _to_cpu(v) for k, v in local["state"].items()})
+        names = self._names or _parameter_names(self.lightning_module, self._masters)
+        named = ckpt.named_optimizer_state(optimizer, names)
         if self._masters is not None:
-            masters = self._masters.state_dict()
-            full["master_weights"] = _merge_by_rank(masters) if distributed else masters
-        return full
+            named["master_weights"] = self._masters.state_dict()
+        if self.checkpoint_format == "sharded":
+            return named
+        full = ckpt.gather_named_state(named)
+        return full if full is not None else {"state": {}, "param_groups": named["param_groups"]}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Optional[Any] = None) -> None:
+        path = Path(self.broadcast(str(filepath)))
+        local = _is_local_path(path)
+        if self.checkpoint_format == "full":
+            if not self.is_global_zero:
+                return
+            if not local:  # remote storage: the CheckpointIO plugin's own semantics
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+                return
+            partial = ckpt.partial_path(path)
+            self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+            ckpt.commit(partial, path)
+            return
+        if storage_options is not None:
+            raise TypeError("LayerwiseStrategy(checkpoint_format='sharded').save_checkpoint(..., storage_options=...)"
+                            " is not supported: sharded checkpoints are written with torch.distributed.checkpoint, "
+                            "not the CheckpointIO plugin. Use checkpoint_format='full' for a CheckpointIO plugin.")
+        if not local:
+            raise ValueError(f"LayerwiseStrategy(checkpoint_format='sharded') writes to a local or mounted "
+                             f"filesystem, not {str(filepath)!r}; use checkpoint_format='full' for remote storage.")
+        checkpoint = dict(checkpoint)
+        state: dict[str, Any] = {ckpt.MODEL_KEY: self._owned_model_entries(checkpoint.pop("state_dict"))}
+        for index, named in enumerate(checkpoint.pop("optimizer_states", [])):
+            named = dict(named)
+            if not self.is_global_zero:
+                named.pop("param_groups")  # identical on every rank: written once, by rank 0
+            state[ckpt.optimizer_key(index)] = named
+        checkpoint["layerwise"] = {"format": ckpt.FORMAT, "version": ckpt.FORMAT_VERSION,
+                                   "world_size": self.world_size, "bucket_size": self.bucket_size}
+        ckpt.save_sharded(path, state, checkpoint if self.is_global_zero else None)
+
+    def _owned_model_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The model entries this rank writes: the parameters it owns, and on rank 0 everything else."""
+        wrapper = self.wrapper
+        tensors = self.lightning_module.state_dict(keep_vars=True)
+        entries = {}
+        for key, value in state_dict.items():
+            tensor = tensors.get(key)
+            in_layout = wrapper is not None and tensor in wrapper._param_names
+            if (wrapper.owns(tensor) if in_layout else self.is_global_zero):
+                entries[key] = value
+        return entries
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+            path = Path(filepath)
+            if _is_local_path(path):
+                for leftover in (ckpt.partial_path(path), ckpt.aside_path(path)):
+                    if leftover.exists():
+                        self.checkpoint_io.remove_checkpoint(leftover)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if _is_local_path(path):
+            resolved = ckpt.resolve(path)
+            if resolved != path:
+                rank_zero_warn(f"{str(path)!r} does not exist, but {str(resolved)!r} does: a save to {str(path)!r} "
+                               "was interrupted while replacing it. Loading the previous checkpoint.")
+            path = resolved
+            if path.is_dir():
+                return self._load_sharded(path, weights_only)
+        return super().load_checkpoint(path, weights_only=weights_only)
+
+    def _load_sharded(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+        """Reads the owned parameters and owned optimizer state; all-gathers the parameters (collective)."""
+        meta, metadata = ckpt.read_sharded_metadata(path, weights_only)
+        items = ckpt.checkpoint_items(metadata)
+        wrapper = self.wrapper
+        module = self.lightning_module
+        tensors = module.state_dict(keep_vars=True)
+        saved_keys = {p[1] for p in items if p[0] == ckpt.MODEL_KEY and len(p) == 2}
+        if module.strict_loading:
+            missing = sorted(set(tensors) - saved_keys)
+            unexpected = sorted(saved_keys - set(tensors))
+            if missing or unexpected:
+                raise ckpt.CheckpointError(
+                    f"sharded checkpoint {str(path)!r} does not match {type(module).__name__}: missing keys "
+                    f"{missing[:10]}, unexpected keys {unexpected[:10]}. Set `strict_loading = False` on the "
+                    "LightningModule to load the keys that match.")
+        entries: dict[tuple, Any] = {}
+        for key, tensor in tensors.items():
+            if key not in saved_keys:
+                continue
+            if wrapper is not None and tensor in wrapper._param_names and not wrapper.owns(tensor):
+                continue  # its owner reads it; the all-gather below brings it here
+            entries[(ckpt.MODEL_KEY, key)] = tensor.detach()
+        fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        n_optimizers = len({p[0] for p in items if p[0].startswith("optimizer_")})
+        if fitting and self.optimizers:
+            if n_optimizers != len(self.optimizers):
+                raise ckpt.CheckpointError(
+                    f"sharded checkpoint {str(path)!r} holds {n_optimizers} optimizer state(s) and the model "
+                    f"configures {len(self.optimizers)}; it was saved without optimizer state "
+                    "(ModelCheckpoint(save_weights_only=True)?) or for another set of optimizers.")
+            owned = self._owned_names()
+            for item_path, item in items.items():
+                if not item_path[0].startswith("optimizer_"):
+                    continue
+                part = item_path[1] if len(item_path) > 1 else None
+                if part == "param_groups" or (part in ("state", "master_weights") and item_path[2] in owned):
+                    entries[item_path] = ckpt.empty_like_item(item)
+        state = ckpt.nest(entries)
+        with torch.no_grad():
+            ckpt.load_sharded(path, state)
+        self._after_model_load()
+        if fitting and self.optimizers:
+            meta["optimizer_states"] = [state[ckpt.optimizer_key(i)] for i in range(len(self.optimizers))]
+        return meta
+
+    def _owned_names(self) -> set[str]:
+        wrapper = self.wrapper
+        if wrapper is None:
+            return set(self._names.values())
+        return {name for name, _ in wrapper.named_owned_parameters()}
+
+    def _after_model_load(self) -> None:
+        """Every rank holds the loaded parameters, and the masters equal them."""
+        wrapper = self.wrapper
+        if wrapper is not None:
+            wrapper.start_param_sync(force_sync=True)
+        if self._masters is not None:
+            self._masters.refresh()
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if "state_dict" not in checkpoint:  # sharded: already read by load_checkpoint
+            return
+        self.sync_parameters()
+        super().load_model_state_dict(checkpoint, strict=strict)
+        self._after_model_load()
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
         states = checkpoint["optimizer_states"]
-        masters = [s.pop("master_weights", None) for s in states]
-        super().load_optimizer_state_dict(checkpoint)
-        if self._masters is not None and masters and masters[0] is not None:
-            self._masters.load_state_dict(masters[0])
+        if len(states) != len(self.optimizers):
+            raise ckpt.CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
+                                       f"configures {len(self.optimizers)}.")
         wrapper = self.wrapper
-        if wrapper is None:
-            return
-        for optimizer in self.optimizers:
-            for p in list(optimizer.state):
-                if p in wrapper._param_names and not wrapper.owns(p):
-                    del optimizer.state[p]  # another rank steps it; keep state once in the world
+        names = self._names or _parameter_names(self.lightning_module, self._masters)
+        masters = set(self._masters.names) if self._masters is not None else set()
+
+        def keep(p: torch.Tensor) -> bool:  # another rank steps it; keep state once in the world
+            return wrapper is None or p in masters or p not in wrapper._param_names or wrapper.owns(p)
+
+        for optimizer, saved in zip(self.optimizers, states):
+            optimizer.load_state_dict(ckpt.local_optimizer_state(saved, optimizer, names, keep))
+            _optimizer_to_device(optimizer, self.root_device)
+            if self._masters is not None and saved.get("master_weights"):
+                self._masters.load_state_dict(saved["master_weights"])
 
     # --- teardown ----------------------------------------------------------------------
     @override
@@ -385,19 +549,15 @@ def _is_compiled(module) -> bool:
     return optimized is not None and any(isinstance(m, optimized) for m in module.modules())
 
 
-def _merge_by_rank(part: dict) -> dict:
-    """Every rank's disjoint ``part`` merged into one dict, on every rank (collective)."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, part)
-    merged: dict = {}
-    for other in gathered:
-        merged.update(other)
-    return dict(sorted(merged.items()))
+def _parameter_names(module: torch.nn.Module, masters: Optional[MasterWeights]) -> dict[torch.Tensor, str]:
+    """Every parameter (and float32 master) by the name checkpoints use for it."""
+    names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
+    if masters is not None:
+        names.update(masters.names)
+    return names
 
 
-def _to_cpu(value):
-    if torch.is_tensor(value):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
+def _is_local_path(path: Path) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(get_filesystem(str(path)), LocalFileSystem)

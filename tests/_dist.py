@@ -62,7 +62,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"distributed workers did not finish within {timeout}s")
-        except mp.ProcessRaisedException:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):  # reported below, with every rank
             pass
         except TimeoutError:
             for p in ctx.processes:

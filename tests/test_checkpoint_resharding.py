@@ -1,47 +1,60 @@
-"""A checkpoint saved at N ranks resumes at M ranks and continues as if never interrupted.
+"""Checkpoints reshard: a run saved at N ranks resumes at M ranks and continues as if never interrupted.
 
-The checkpoint holds the full optimizer state keyed by parameter index, not by
-rank, so any world size can load it; each rank then keeps the state of the
-parameters it owns under the new layout. Data is world-size independent here:
-every step has one global batch of 12 samples and rank r trains on its r-th
-slice, so 1, 2 and 3 ranks compute the same averaged gradient. An epoch is
-exactly the saved steps long, so the checkpoint falls on an epoch boundary
-and the resumed run sees the batches the uninterrupted one sees.
+Both formats (``sharded``: a torch.distributed.checkpoint directory, each rank
+writing what it owns; ``full``: one file from rank 0) are keyed by parameter
+name, so neither depends on the world size, the bucket size or even the
+strategy. Data is world-size independent: every step has one global batch of
+12 samples and rank r trains on its r-th slice, so 1, 2, 3 and 4 ranks compute
+the same averaged gradient. An epoch is exactly the saved steps long, so the
+checkpoint falls on an epoch boundary and the resumed run sees the batches the
+uninterrupted one sees. Compared: every parameter and every step's global
+loss, relative error <= 1e-5 (fp32).
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 import lightning_layerwise as llw
 from _dist import run_distributed
 
 GLOBAL_BATCH = 12
+STEPS = 3  # steps per epoch; checkpoints are written after epoch 1, runs end after 2 epochs
+TOL = 1e-5
 
 
 class Net(L.LightningModule):
-    def __init__(self, optimizer: str):
+    def __init__(self, optimizer: str = "adamw"):
         super().__init__()
-        self.optimizer_name = optimizer
+        self.save_hyperparameters()
         torch.manual_seed(0)
         self.inp = nn.Linear(5, 24)
         self.hidden = nn.Linear(24, 24)
         self.norm = nn.LayerNorm(24)
         self.out = nn.Linear(24, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.losses: list[float] = []
 
     def forward(self, x):
         return self.out(self.norm(self.hidden(self.inp(x).tanh()).tanh()))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self(x), y)
+        loss = nn.functional.mse_loss(self(x), y)
+        self.calls += 1
+        self.losses.append(loss.item())
+        return loss
 
     def configure_optimizers(self):
-        if self.optimizer_name == "adamw":
+        if self.hparams.optimizer == "adamw":
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         else:
             opt = llw.Muon(llw.muon_param_groups(self), lr=0.02, adamw_lr=1e-2, ns_dtype=torch.float32)
@@ -52,7 +65,7 @@ class Net(L.LightningModule):
 class RankSlices(torch.utils.data.Dataset):
     """Item i is this rank's slice of global batch i."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int = STEPS):
         g = torch.Generator().manual_seed(7)
         self.x = torch.randn(steps, GLOBAL_BATCH, 5, generator=g)
         self.y = torch.stack([self.x[..., 0] * self.x[..., 1], self.x[..., 2:].sum(-1)], dim=-1)
@@ -66,61 +79,381 @@ class RankSlices(torch.utils.data.Dataset):
         return self.x[i][rank::world], self.y[i][rank::world]
 
 
-def trainer(world: int, max_steps: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=world, strategy="layerwise", max_steps=max_steps, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     use_distributed_sampler=False)
+def make_trainer(world: int, strategy="layerwise", fmt: str = "sharded", bucket_size: int = 40_000_000,
+                 callbacks=(), max_steps: int = 2 * STEPS) -> L.Trainer:
+    if strategy == "layerwise":
+        strategy = llw.LayerwiseStrategy(checkpoint_format=fmt, bucket_size=bucket_size)
+    return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps, logger=False,
+                     enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
+                     enable_model_summary=False, use_distributed_sampler=False)
 
 
-def loader(steps: int):
-    return torch.utils.data.DataLoader(RankSlices(steps), batch_size=None, shuffle=False)
+def loader():
+    return torch.utils.data.DataLoader(RankSlices(), batch_size=None, shuffle=False)
 
 
-def _save_worker(rank, world, optimizer, dirpath, steps):
-    """The uninterrupted run; ModelCheckpoint writes the checkpoint halfway."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
+def global_losses(model: Net) -> list[float]:
+    """Per-step loss of the global batch: the mean of the ranks' (equal-sized) slice losses."""
+    losses = torch.tensor(model.losses, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(losses)
+        losses /= dist.get_world_size()
+    return losses.tolist()
 
+
+def result(model: Net) -> dict:
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "calls": int(model.calls), "losses": global_losses(model)}
+
+
+def _run_worker(rank, world, optimizer, strategy, fmt, dirpath, bucket_size=40_000_000):
+    """The uninterrupted run of 2 epochs; ModelCheckpoint writes ``step=3.ckpt`` after the first."""
     model = Net(optimizer)
-    t = trainer(world, 2 * steps)
-    t.callbacks.append(ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=steps, save_top_k=-1))
-    t.fit(model, loader(steps))
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    save = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=STEPS, save_top_k=-1)
+    make_trainer(world, strategy, fmt, bucket_size, callbacks=[save]).fit(model, loader())
+    return result(model)
 
 
-def _resume_worker(rank, world, optimizer, path, steps):
+def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_000_000):
     model = Net(optimizer)
-    owned_state_ok = []
+    inspected = {}
 
     class Inspect(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            wrapper = trainer.strategy.wrapper
             opt = trainer.optimizers[0]
-            owned_state_ok.append(len(opt.state) > 0 and all(wrapper.owns(p) for p in opt.state))
+            wrapper = getattr(trainer.strategy, "wrapper", None)
+            inspected["n_state"] = len(opt.state)
+            inspected["only_owned"] = wrapper is None or all(wrapper.owns(p) for p in opt.state)
+            inspected["owned"] = None if wrapper is None else len(list(wrapper.owned_parameters()))
+            inspected["params_at_start"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
-    t = trainer(world, 2 * steps)
-    t.callbacks.append(Inspect())
-    t.fit(model, loader(steps), ckpt_path=path)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, owned_state_ok
+    make_trainer(world, strategy, fmt, bucket_size, callbacks=[Inspect()]).fit(model, loader(), ckpt_path=path)
+    return {**result(model), **inspected}
 
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
+def assert_continues(reference: dict, resumed: dict, what: str) -> None:
+    """The resumed run's parameters and per-step losses equal the uninterrupted run's second epoch."""
+    for name, value in resumed["params"].items():
+        err = rel_err(value, reference["params"][name])
+        assert err <= TOL, f"{what}: {name} differs by {err:.2e}"
+    assert len(resumed["losses"]) == STEPS, f"{what}: resumed for {len(resumed['losses'])} steps, not {STEPS}"
+    for step, (got, want) in enumerate(zip(resumed["losses"], reference["losses"][STEPS:]), start=STEPS + 1):
+        assert abs(got - want) <= TOL * abs(want), f"{what}: loss at step {step}: {got} vs {want}"
+    assert resumed["calls"] == reference["calls"], "the module buffer was restored from the checkpoint"
+
+
+def assert_at_checkpoint(reference_at_k: dict, resumed: dict, what: str) -> None:
+    """Right after loading, every rank holds the checkpoint's parameters (synced after load)."""
+    for name, value in resumed["params_at_start"].items():
+        err = rel_err(value, reference_at_k[name])
+        assert err <= TOL, f"{what}: {name} right after loading differs from the saved one by {err:.2e}"
+
+
+def saved_params(path: str) -> dict:
+    """The parameters a checkpoint holds, read with torch.distributed.checkpoint or torch.load."""
+    if os.path.isdir(path):
+        from lightning.fabric.utilities.load import _load_distributed_checkpoint
+        from pathlib import Path
+
+        return _load_distributed_checkpoint(Path(path))["model"]
+    return torch.load(path, weights_only=True)["state_dict"]
+
+
+# --- resume at another world size, bucket size, strategy ---------------------------------
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-@pytest.mark.parametrize("saved_at, resumed_at", [(2, 3), (3, 1)])
-def test_resume_at_another_world_size(tmp_path, optimizer, saved_at, resumed_at):
-    steps = 3
-    (uninterrupted, *_) = run_distributed(_save_worker, saved_at, optimizer, str(tmp_path), steps)
-    path = str(tmp_path / f"step={steps}.ckpt")
-    ckpt = torch.load(path, weights_only=False)
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 3), (3, 1), (1, 4)])
+def test_resume_at_another_world_size(tmp_path, fmt, optimizer, saved_at, resumed_at):
+    reference = run_distributed(_run_worker, saved_at, optimizer, "layerwise", fmt, str(tmp_path))[0]
+    path = str(tmp_path / f"step={STEPS}.ckpt")
+    assert os.path.isdir(path) == (fmt == "sharded")
+    resumed = run_distributed(_resume_worker, resumed_at, optimizer, "layerwise", fmt, path)
     n_params = len(list(Net(optimizer).parameters()))
-    assert len(ckpt["optimizer_states"][0]["state"]) == n_params, "the file holds every parameter's state"
-    resumed = run_distributed(_resume_worker, resumed_at, optimizer, path, steps)
-    for params, owned_state_ok in resumed:
-        assert owned_state_ok == [True], "after loading, each rank keeps only its owners' state"
-        moved = rel_err(params["hidden.weight"], Net(optimizer).hidden.weight.detach())
-        assert moved > 1e-3
-        for name, value in params.items():
-            assert rel_err(value, uninterrupted[name]) <= 1e-5, (name, rel_err(value, uninterrupted[name]))
+    assert sum(r["n_state"] for r in resumed) == n_params, "each parameter's state is on exactly one rank"
+    for rank, r in enumerate(resumed):
+        assert r["only_owned"], f"rank {rank} holds optimizer state of parameters it does not own"
+        assert_at_checkpoint(saved_params(path), r, f"{fmt} {saved_at}->{resumed_at} rank {rank}")
+        assert_continues(reference, r, f"{fmt} {optimizer} {saved_at}->{resumed_at} rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_resume_with_another_bucket_size(tmp_path, fmt):
+    """Another bucket size means another layout and other owners; names keep the state where it belongs."""
+    reference = run_distributed(_run_worker, 2, "muon", "layerwise", fmt, str(tmp_path), 40_000_000)[0]
+    resumed = run_distributed(_resume_worker, 2, "muon", "layerwise", fmt, str(tmp_path / f"step={STEPS}.ckpt"),
+                              300)
+    for rank, r in enumerate(resumed):
+        assert r["only_owned"]
+        assert_continues(reference, r, f"bucket 40M -> 300, rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saver, resumer", [("layerwise", "ddp"), ("ddp", "layerwise")])
+def test_full_checkpoints_move_between_layerwise_and_ddp(tmp_path, saver, resumer):
+    reference = run_distributed(_run_worker, 2, "muon", saver, "full", str(tmp_path))[0]
+    path = str(tmp_path / f"step={STEPS}.ckpt")
+    keys = list(torch.load(path, weights_only=True)["optimizer_states"][0]["state"])
+    if saver == "layerwise":
+        assert keys == sorted(n for n, _ in Net().named_parameters()), "state keyed by parameter name"
+    resumed = run_distributed(_resume_worker, 2, "muon", resumer, "full", path)
+    for rank, r in enumerate(resumed):
+        assert_continues(reference, r, f"{saver} -> {resumer}, rank {rank}")
+
+
+# --- plain Lightning and torch read the files --------------------------------------------
+
+
+def _save_one_step_worker(rank, world, fmt, path):
+    model = Net("muon")
+    trainer = make_trainer(world, "layerwise", fmt, max_steps=STEPS)
+    trainer.fit(model, loader())
+    trainer.save_checkpoint(path)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_full_checkpoint_loads_with_plain_lightning_and_torch(tmp_path):
+    path = str(tmp_path / "full.ckpt")
+    params = run_distributed(_save_one_step_worker, 2, "full", path)[0]
+    loaded = Net.load_from_checkpoint(path)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, params[name]), name
+    checkpoint = torch.load(path, weights_only=True)
+    saved = checkpoint["optimizer_states"][0]
+    fresh = Net("muon")
+    plain = fresh.configure_optimizers()["optimizer"]
+    plain.load_state_dict(saved)  # torch pairs saved and current parameters by position within the groups
+    names = {p: n for n, p in fresh.named_parameters()}
+    loaded_states = 0
+    for group in plain.param_groups:
+        for p in group["params"]:
+            for key, value in saved["state"][names[p]].items():
+                assert torch.equal(plain.state[p][key], value), (names[p], key)
+                loaded_states += 1
+    assert loaded_states > len(names), "every parameter got its momentum (and Adam moments)"
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_consolidates_into_one_file(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "sharded.ckpt"
+    params = run_distributed(_save_one_step_worker, 3, "sharded", str(path))[0]
+    files = sorted(p.name for p in path.iterdir())
+    assert "meta.pt" in files and ".metadata" in files and sum(f.endswith(".distcp") for f in files) == 3, files
+    out = tmp_path / "consolidated.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(path),
+                    "--output_file", str(out)], check=True, capture_output=True)
+    checkpoint = torch.load(out, weights_only=False)
+    assert checkpoint["global_step"] == STEPS
+    assert sorted(checkpoint["optimizer_states"][0]["state"]) == sorted(params)
+    loaded = Net.load_from_checkpoint(out)
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, params[name]), name
+
+
+@pytest.mark.slow
+def test_consolidated_sharded_checkpoint_resumes_under_ddp(tmp_path):
+    import subprocess
+    import sys
+
+    reference = run_distributed(_run_worker, 2, "adamw", "layerwise", "sharded", str(tmp_path))[0]
+    out = tmp_path / "consolidated.ckpt"
+    subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint",
+                    str(tmp_path / f"step={STEPS}.ckpt"), "--output_file", str(out)], check=True,
+                   capture_output=True)
+    resumed = run_distributed(_resume_worker, 2, "adamw", "ddp", "full", str(out))
+    for rank, r in enumerate(resumed):
+        assert_continues(reference, r, f"consolidated -> ddp, rank {rank}")
+
+
+# --- nothing lost -------------------------------------------------------------------------
+
+
+def _killed_while_saving_worker(rank, world, fmt, dirpath):
+    """Writes last.ckpt after each epoch; rank 0 is killed (SIGKILL) halfway through the second save."""
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    saves = []
+    if fmt == "sharded":
+        original = FileSystemWriter.write_data
+
+        def write_data(self, plan, planner):
+            saves.append(1)
+            result = original(self, plan, planner)
+            if rank == 0 and len(saves) == 2:
+                result.wait()  # this rank's data files are written; the index and meta.pt are not
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        FileSystemWriter.write_data = write_data
+    else:
+        original = TorchCheckpointIO.save_checkpoint
+
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            saves.append(1)
+            if len(saves) == 2:
+                with open(path, "wb") as f:
+                    f.write(b"half a checkpoint")
+                    f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, checkpoint, path, storage_options)
+
+        TorchCheckpointIO.save_checkpoint = save_checkpoint
+    model = Net("adamw")
+    save = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=STEPS, save_top_k=0, save_last=True)
+    make_trainer(world, "layerwise", fmt, callbacks=[save]).fit(model, loader())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(tmp_path, fmt):
+    reference = run_distributed(_run_worker, 2, "adamw", "layerwise", fmt, str(tmp_path / "reference"))[0]
+    dirpath = tmp_path / "killed"
+    with pytest.raises(RuntimeError, match="died|failed"):
+        run_distributed(_killed_while_saving_worker, 2, fmt, str(dirpath), timeout=120)
+    last = dirpath / "last.ckpt"
+    leftovers = sorted(p.name for p in dirpath.iterdir())
+    assert ".last.ckpt.partial" in leftovers, leftovers  # the interrupted save, written aside
+    resumed = run_distributed(_resume_worker, 3, "adamw", "layerwise", fmt, str(last))
+    for rank, r in enumerate(resumed):
+        assert_at_checkpoint(saved_params(str(tmp_path / "reference" / f"step={STEPS}.ckpt")), r,
+                             f"previous checkpoint, rank {rank}")
+        assert_continues(reference, r, f"resumed after a killed save, rank {rank}")
+
+
+def _save_twice_worker(rank, world, path):
+    model = Net("adamw")
+    trainer = make_trainer(world, "layerwise", "sharded", max_steps=STEPS)
+    trainer.fit(model, loader())
+    trainer.save_checkpoint(path)
+    first = saved_params(path)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    trainer.save_checkpoint(path)  # replaces the directory
+    return first, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_replacing_a_sharded_checkpoint_and_recovering_an_interrupted_rename(tmp_path):
+    path = tmp_path / "model.ckpt"
+    first, second = run_distributed(_save_twice_worker, 2, str(path))[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ckpt"], "no partial or aside directory left"
+    saved = saved_params(str(path))
+    for name in second:
+        assert torch.equal(saved[name], second[name]) and not torch.equal(saved[name], first[name]), name
+    # A save killed between its two renames leaves the old checkpoint aside and none in place.
+    os.rename(path, tmp_path / ".model.ckpt.old")
+    (resumed,) = run_distributed(_resume_worker, 1, "adamw", "layerwise", "sharded", str(path))
+    for name, p in resumed["params_at_start"].items():
+        assert torch.equal(p, second[name]), name
+
+
+def _top_k_worker(rank, world, dirpath):
+    class Monitored(Net):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss, sync_dist=True)
+            return loss
+
+    model = Monitored("adamw")
+    save = ModelCheckpoint(dirpath=dirpath, filename="{step}", monitor="train_loss", every_n_train_steps=1,
+                           save_top_k=2, save_last=True)
+    make_trainer(world, "layerwise", "sharded", callbacks=[save]).fit(model, loader())
+    return sorted(os.path.basename(p) for p in save.best_k_models), os.path.basename(save.last_model_path)
+
+
+def _resume_last_worker(rank, world, dirpath):
+    model = Net("adamw")
+    save = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=STEPS, save_last=True)
+    trainer = make_trainer(world, "layerwise", "sharded", callbacks=[save], max_steps=2 * STEPS)
+    trainer.fit(model, loader(), ckpt_path="last")
+    return trainer.global_step
+
+
+@pytest.mark.slow
+def test_model_checkpoint_top_k_and_last_with_directories(tmp_path):
+    best, last = run_distributed(_top_k_worker, 2, str(tmp_path))[0]
+    on_disk = sorted(p.name for p in tmp_path.iterdir())
+    assert len(best) == 2 and last == "last.ckpt"
+    assert on_disk == sorted(best + ["last.ckpt"]), on_disk  # the other top-k candidates were removed
+    assert all((tmp_path / name / "meta.pt").is_file() for name in on_disk)
+    # ckpt_path="last" finds the directory and resumes at its step.
+    steps = run_distributed(_resume_last_worker, 2, str(tmp_path))
+    assert steps == [2 * STEPS, 2 * STEPS]
+
+
+# --- clear errors ---------------------------------------------------------------------------
+
+
+def _load_worker(rank, world, path, optimizer="adamw"):
+    model = Net(optimizer)
+    make_trainer(world, "layerwise", "sharded").fit(model, loader(), ckpt_path=path)
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharded") / "good.ckpt"
+    run_distributed(_save_one_step_worker, 2, "sharded", str(path))
+    return path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.slow
+def test_truncated_or_foreign_directories_raise_clear_errors(sharded_checkpoint, tmp_path):
+    no_meta = _copy(sharded_checkpoint, tmp_path / "no_meta.ckpt")
+    (no_meta / "meta.pt").unlink()
+    with pytest.raises(RuntimeError, match=r"no meta\.pt: it is not a complete checkpoint.*interrupted"):
+        run_distributed(_load_worker, 1, str(no_meta))
+
+    missing_file = _copy(sharded_checkpoint, tmp_path / "missing.ckpt")
+    (missing_file / "__1_0.distcp").unlink()
+    with pytest.raises(RuntimeError, match=r"missing the data file '__1_0\.distcp'"):
+        run_distributed(_load_worker, 1, str(missing_file))
+
+    truncated = _copy(sharded_checkpoint, tmp_path / "truncated.ckpt")
+    data = truncated / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match=r"'__0_0\.distcp' is truncated"):
+        run_distributed(_load_worker, 1, str(truncated))
+
+    foreign = _copy(sharded_checkpoint, tmp_path / "foreign.ckpt")
+    meta = torch.load(foreign / "meta.pt", weights_only=False)
+    del meta["layerwise"]
+    torch.save(meta, foreign / "meta.pt")
+    with pytest.raises(RuntimeError, match=r"not written by LayerwiseStrategy.*consolidate_checkpoint"):
+        run_distributed(_load_worker, 1, str(foreign))
+
+    no_index = _copy(sharded_checkpoint, tmp_path / "no_index.ckpt")
+    (no_index / ".metadata").unlink()
+    with pytest.raises(RuntimeError, match=r"no \.metadata"):
+        run_distributed(_load_worker, 1, str(no_index))
+
+
+@pytest.mark.slow
+def test_changed_param_groups_raise_instead_of_crossing_state(sharded_checkpoint):
+    # Saved with Muon's groups (matrices, then the rest); AdamW has one group.
+    with pytest.raises(RuntimeError, match=r"2 param group\(s\), this optimizer 1"):
+        run_distributed(_load_worker, 2, str(sharded_checkpoint), "adamw")
+
+
+def test_bad_checkpoint_format_is_rejected_up_front():
+    with pytest.raises(ValueError, match=r"checkpoint_format='distributed'.*'sharded'.*'full'"):
+        llw.LayerwiseStrategy(checkpoint_format="distributed")

@@ -10,14 +10,6 @@ LR schedulers with ``LearningRateMonitor``, BatchNorm (plain, synchronised throu
 ``LayerSync`` plugin, and ``sync_batchnorm=True``), validate/test/predict with uneven
 batch counts across ranks, ``fast_dev_run``/``max_steps``, manual optimization with and
 without ``clip_gradients``, teardown, and ``torch.compile``.
-
-Four tests fail against the current package and document bugs (each docstring says what
-fails and why): ``test_wrapper_keeps_the_nn_module_api`` and ``test_torch_compile_matches_ddp``
-(``LayerwiseDataParallel._buffers`` shadows ``nn.Module._buffers``),
-``test_torch_compile_reusing_code_compiled_without_the_wrappers_hooks`` (dynamo skips the
-forward pre-hooks that await the parameter all-gathers) and
-``test_callbacks_see_the_current_parameters`` (parameters are stale between
-``optimizer.step`` and the next forward).
 """
 
 from __future__ import annotations
@@ -227,9 +219,11 @@ def _resume_worker(rank, world, root, optimizer):
     out["lw8"] = params_of(model)
 
     # Layerwise, 4 steps; ModelCheckpoint writes during fit, save_checkpoint after fit (wrapper released).
+    # One full file, to compare with ddp's (tests/test_checkpoint_resharding.py covers both formats).
     lw_dir = os.path.join(root, f"lw_{optimizer}")
     model = Net(optimizer, scheduler=scheduler)
-    trainer = make_trainer("layerwise", root, max_steps=4, enable_checkpointing=True,
+    trainer = make_trainer(llw.LayerwiseStrategy(checkpoint_format="full"), root, max_steps=4,
+                           enable_checkpointing=True,
                            callbacks=[_ckpt_callback(lw_dir)])
     trainer.fit(model, train_loader())
     after_fit = os.path.join(lw_dir, "after_fit.ckpt")
@@ -290,6 +284,11 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run_and_ddp(optimizer, tmp
             assert rec["state_names"] == rec["owned_names"], (rank, when, rec["state_names"], rec["owned_names"])
 
     ckpt, after_fit, ddp_ckpt = results[0]["ckpt_lw"], results[0]["ckpt_lw_after_fit"], results[0]["ckpt_ddp"]
+    # ddp keys the state by position in the param groups, layerwise by parameter name.
+    order = results[0]["probe"]["start"]["order"]
+    ddp_named = dict(ddp_ckpt["optimizer_states"][0],
+                     state={order[i]: v for i, v in ddp_ckpt["optimizer_states"][0]["state"].items()})
+    assert [n for g in ckpt["optimizer_states"][0]["param_groups"] for n in g["params"]] == order
     assert ckpt["global_step"] == ddp_ckpt["global_step"] == 4
     assert ckpt["lr_schedulers"] == ddp_ckpt["lr_schedulers"] and len(ckpt["lr_schedulers"]) == 1
     # The file holds the FULL optimizer state: one entry for every parameter (all of them had gradients) ...
@@ -297,16 +296,14 @@ def test_checkpoint_and_resume_equal_an_uninterrupted_run_and_ddp(optimizer, tmp
     assert len(ckpt["optimizer_states"][0]["state"]) == n_params
     assert len(after_fit["optimizer_states"][0]["state"]) == n_params
     # ... equal to ddp's (which every rank holds whole), written during fit and after it.
-    _assert_same_optimizer_state(ckpt["optimizer_states"][0], ddp_ckpt["optimizer_states"][0], "ModelCheckpoint")
-    _assert_same_optimizer_state(after_fit["optimizer_states"][0], ddp_ckpt["optimizer_states"][0],
-                                 "save_checkpoint after fit")
+    _assert_same_optimizer_state(ckpt["optimizer_states"][0], ddp_named, "ModelCheckpoint")
+    _assert_same_optimizer_state(after_fit["optimizer_states"][0], ddp_named, "save_checkpoint after fit")
     assert_close_dicts(ckpt["state_dict"], ddp_ckpt["state_dict"], what="model weights in the checkpoint")
     assert_close_dicts(ckpt["state_dict"], results[0]["lw4"], what="checkpoint weights are the current parameters")
     # The state restored on each rank is the checkpoint's, for its owned parameters.
     for r in results:
-        index = {n: i for i, n in enumerate(r["probe"]["start"]["order"])}
         for name, entry in r["probe"]["start"]["state"].items():
-            saved = ckpt["optimizer_states"][0]["state"][index[name]]
+            saved = ckpt["optimizer_states"][0]["state"][name]
             for key, value in entry.items():
                 if torch.is_tensor(value) and value.numel() > 1:
                     assert torch.equal(value, saved[key]), (name, key)
