@@ -42,6 +42,20 @@ Note [owner balancing]
     the rank with the least accumulated optimizer cost (longest-processing-time
     greedy). The default cost is Newton–Schulz's, about ``min(m, n)^2 * max(m, n)``
     for an ``m x n`` matrix, and the element count for everything else.
+    Accumulated costs carry over from one buffer to the next, so a rank that
+    got much of the dense buffer's work gets less of the expert buffer's.
+
+    Greedy filling decides *which* parameters a round takes (and so the
+    padding), but packs them first-fit, shard after shard. When a huge
+    parameter (an embedding) seeds a round at large ``dp``, the round's other
+    shards have room for most of the model, and first-fit would pile it onto
+    a few ranks. So a round whose shards hold several parameters is re-packed
+    for balance: its parameters, costliest first, each go to the least loaded
+    rank whose shard still has room (a parameter the size of the whole shard
+    needs an empty shard, and enough empty shards are kept for those). Same
+    parameters, same round length, so padding is unchanged. If that packing
+    does not fit (first-fit can succeed where it fails), the round keeps its
+    first-fit shards.
 
 Note [backward order]
     Gradients become ready in roughly reverse registration order, so buffers
@@ -54,6 +68,7 @@ Note [backward order]
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -289,8 +304,9 @@ def plan_layout(
 
     buffers: list[BufferPlan] = []
     slots: dict[str, ParamSlot] = {}
+    rank_cost = [0.0] * dp  # carried across buffers, see Note [owner balancing]
     for buffer_index, ((dtype, kind), members) in enumerate(groups.items()):
-        buckets, placed = _plan_buffer(list(reversed(members)), dp, bucket_size, costs)
+        buckets, placed, rank_cost = _plan_buffer(list(reversed(members)), dp, bucket_size, costs, rank_cost)
         by_name = {s.name: s for s in members}
         for name, (bucket_index, offset, owner) in placed.items():
             slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, owner)
@@ -302,15 +318,17 @@ def plan_layout(
 
 
 def _plan_buffer(
-    queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float]
-) -> tuple[list[BucketPlan], dict[str, tuple[int, int, int]]]:
+    queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float], rank_cost: Sequence[float]
+) -> tuple[list[BucketPlan], dict[str, tuple[int, int, int]], list[float]]:
     """Packs one buffer; ``queue`` is in backward order. See Note [tail gaps].
 
-    Returns the buckets and, per parameter name, (bucket, offset, owner).
+    ``rank_cost`` is the cost each rank already carries from earlier buffers.
+    Returns the buckets, per parameter name (bucket, offset, owner), and the
+    rank costs including this buffer.
     """
     position = {s.name: i for i, s in enumerate(queue)}
     solo: tuple[str, ...] = ()
-    best = _pack(queue, dp, bucket_size, costs, solo, len(queue))
+    best = _pack(queue, dp, bucket_size, costs, solo, len(queue), rank_cost)
     for _ in range(_MAX_SOLO_SEEDS):
         # Only seeds inside the last bucket, after its first parameter, may move to the tail.
         tail_start = min(position[n] for n in best.buckets[-1].params)
@@ -319,11 +337,11 @@ def _plan_buffer(
                         key=lambda kv: kv[1], default=(None, 0))
         if seed is None or gap == 0:
             break
-        candidate = _pack(queue, dp, bucket_size, costs, solo + (seed,), tail_start)
+        candidate = _pack(queue, dp, bucket_size, costs, solo + (seed,), tail_start, rank_cost)
         if candidate.padding >= best.padding:
             break
         best, solo = candidate, solo + (seed,)
-    return best.buckets, best.placed
+    return best.buckets, best.placed, best.rank_cost
 
 
 _MAX_SOLO_SEEDS = 8
@@ -335,6 +353,8 @@ class _Packing:
     placed: dict[str, tuple[int, int, int]]
     gaps: dict[str, int]
     """Padding each round leaves, keyed by the round's seed."""
+    rank_cost: list[float]
+    """Cost each rank carries after this buffer (earlier buffers included)."""
 
     @property
     def padding(self) -> int:
@@ -342,11 +362,12 @@ class _Packing:
 
 
 def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
-          solo: tuple[str, ...], tail_start: int) -> _Packing:
+          solo: tuple[str, ...], tail_start: int, initial_cost: Sequence[float] | None = None) -> _Packing:
     """One packing pass over ``queue``.
 
     ``solo`` seeds get rounds filled from the tail of the queue, never from
-    before position ``tail_start``.
+    before position ``tail_start``. ``initial_cost`` is what each rank
+    carries from earlier buffers (default: nothing).
     """
     position = {s.name: i for i, s in enumerate(queue)}
     pending: dict[str, ParamSpec] = {s.name: s for s in queue}  # insertion order = backward order
@@ -354,7 +375,7 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
     for s in queue:
         by_size[aligned(s.numel)].append(s.name)
 
-    rank_cost = [0.0] * dp
+    rank_cost = [0.0] * dp if initial_cost is None else list(initial_cost)
     placed: dict[str, tuple[int, int, int]] = {}
     gaps: dict[str, int] = {}
     buckets: list[BucketPlan] = []
@@ -429,19 +450,82 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
         # A round that alone exceeds the bucket size gets a bucket of its own.
         if length * dp > bucket_size:
             close_bucket()
-        # Owner balancing: costliest contents to the least loaded rank.
-        contents.sort(key=lambda ms: -sum(costs[s.name] for s in ms))
-        ranks = sorted(range(dp), key=lambda r: (rank_cost[r], r))
-        assigned: list[list[ParamSpec]] = [[] for _ in range(dp)]
-        for rank, members in zip(ranks, contents):
-            assigned[rank] = members
+        assigned = _assign_round(length, contents, rank_cost, costs, position)
+        for rank, members in enumerate(assigned):
             rank_cost[rank] += sum(costs[s.name] for s in members)
         open_rounds.append((length, assigned))
         shard_fill += length
         if shard_fill * dp >= bucket_size:
             close_bucket()
     close_bucket()
-    return _Packing(buckets, placed, gaps)
+    return _Packing(buckets, placed, gaps, rank_cost)
+
+
+def _assign_round(length: int, contents: list[list[ParamSpec]], rank_cost: Sequence[float],
+                  costs: Mapping[str, float], position: Mapping[str, int]) -> list[list[ParamSpec]]:
+    """Which rank's shard holds what in one round: the contents per rank. See Note [owner balancing].
+
+    ``contents`` are the round's shards as greedy filling packed them. A round of
+    one parameter per shard only chooses ranks (costliest shard to the least
+    loaded rank); a round with fuller shards is re-packed by :func:`_balance_round`.
+    """
+    dp = len(rank_cost)
+    if any(len(members) > 1 for members in contents):
+        balanced = _balance_round(length, [s for ms in contents for s in ms], rank_cost, costs, position)
+        if balanced is not None:
+            return balanced
+    order = sorted(range(dp), key=lambda i: (-sum(costs[s.name] for s in contents[i]), i))
+    ranks = sorted(range(dp), key=lambda r: (rank_cost[r], r))
+    assigned: list[list[ParamSpec]] = [[] for _ in range(dp)]
+    for rank, i in zip(ranks, order):
+        assigned[rank] = contents[i]
+    return assigned
+
+
+def _balance_round(length: int, members: list[ParamSpec], rank_cost: Sequence[float],
+                   costs: Mapping[str, float], position: Mapping[str, int]) -> list[list[ParamSpec]] | None:
+    """Packs ``members`` into ``len(rank_cost)`` shards of ``length`` elements, costliest first,
+    each to the least loaded rank with room; ``None`` if some parameter finds no room.
+
+    A parameter as long as the whole shard takes an empty shard; a smaller one
+    may open an empty shard only while enough stay empty for the whole-shard
+    parameters still to come. Each shard keeps its parameters in backward order.
+    """
+    dp = len(rank_cost)
+    whole = sum(aligned(s.numel) == length for s in members)
+    room = [length] * dp
+    load = list(rank_cost)
+    empty = dp
+    assigned: list[list[ParamSpec]] = [[] for _ in range(dp)]
+    heap = [(load[r], r) for r in range(dp)]  # one entry per rank with room left
+    heapq.heapify(heap)
+    for spec in sorted(members, key=lambda s: (-costs[s.name], -s.numel, position[s.name])):
+        need = aligned(spec.numel)
+        is_whole = need == length
+        whole -= is_whole
+        skipped = []
+        rank = None
+        while heap:
+            entry = heapq.heappop(heap)
+            r = entry[1]
+            fresh = room[r] == length
+            if need <= room[r] and (not is_whole or fresh) and (is_whole or not fresh or empty > whole):
+                rank = r
+                break
+            skipped.append(entry)
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if rank is None:
+            return None
+        empty -= room[rank] == length
+        room[rank] -= need
+        load[rank] += costs[spec.name]
+        assigned[rank].append(spec)
+        if room[rank] >= ALIGNMENT:
+            heapq.heappush(heap, (load[rank], rank))
+    for shard in assigned:
+        shard.sort(key=lambda s: position[s.name])
+    return assigned
 
 
 def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Parameter], bool] | None = None
