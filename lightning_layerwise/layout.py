@@ -25,7 +25,45 @@ Note [size matching]
     transformer blocks therefore packs with zero padding when ``dp`` divides
     the number of blocks. A shard that finds no peer is filled greedily with
     smaller parameters that fit (next in backward order first), and only what
-    is left is padding.
+    is left is padding. Note [leftovers] decides which parameters may be peers
+    and which are kept for filling.
+
+Note [leftovers]
+    Backward-order filling alone strands parameters: when a large seed's round
+    (an untied output head, first in backward order) fills its free shards
+    with whole layers, every size class is left with a count that ``dp`` does
+    not divide, and each class ends in a short round of single matrices, most
+    of whose shards are padding (Llama-3 70B at dp 64: 14% padding). So the
+    planner also tries a second packing that plans by *size class* first
+    (:func:`_reserve_leftovers`): largest class first, a class of ``c``
+    parameters needs ``c // dp`` full rounds, and its ``c % dp`` leftovers are
+    *reserved* as fill if they fit into the free shards of larger classes'
+    short rounds (simulated first-fit decreasing); otherwise they form a short
+    round whose free shards smaller classes may use. Then whole groups of
+    ``dp`` parameters of a class move from full rounds into free shards while
+    everything still fits (largest class first; giving one group back to make
+    room for smaller classes is kept when the rounds get shorter). Moving fewer
+    than ``dp`` would only turn a full round into a short one of the same length.
+
+    The packing pass then runs as before, except that a seed's peers are never
+    reserved parameters, and shards without a peer are filled with reserved
+    parameters only (those after the seed in backward order), largest size
+    class first, each class into the first shards with room. The reserved ones
+    of a class are its *last* in backward order, so the full rounds keep the
+    nearest peers and bucket starts still move monotonically through backward
+    order. A reserved parameter that no round had room for seeds a round when
+    backward order reaches it, as any other parameter. Both packings (each
+    with its solo seeds, Note [tail gaps]) are computed and the reserved one is
+    kept only if its total padding is lower, so no layout pads more than the
+    plain pass. The reserved fill takes parameters from anywhere after the seed,
+    not the next ones: a head round that holds leftovers of the first layers
+    completes only when they do, which it does anyway (the embedding in the
+    same round is the last gradient of backward).
+
+    Limit: free shards come only from rounds formed *before* the parameters in
+    backward order. A large parameter that is last in backward order (GPT-2's
+    tied embedding) gets its round last, and reserved parameters cannot reach
+    it; only the solo seed's tail fill can.
 
 Note [tail gaps]
     Greedy filling only draws on parameters *after* the seed in backward
@@ -71,6 +109,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict
+from itertools import islice
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Iterable, Literal, Mapping, Sequence
@@ -326,9 +365,23 @@ def _plan_buffer(
     Returns the buckets, per parameter name (bucket, offset, owner), and the
     rank costs including this buffer.
     """
+    best = _search(queue, dp, bucket_size, costs, rank_cost, frozenset())
+    # Note [leftovers]: the same search with size-class leftovers reserved as fill; kept only if
+    # it pads less.
+    reserved = _reserve_leftovers(queue, dp)
+    if reserved:
+        candidate = _search(queue, dp, bucket_size, costs, rank_cost, reserved)
+        if candidate.padding < best.padding:
+            best = candidate
+    return best.buckets, best.placed, best.rank_cost
+
+
+def _search(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+            rank_cost: Sequence[float], reserved: frozenset[str]) -> _Packing:
+    """One packing pass, then solo seeds one by one while total padding drops. See Note [tail gaps]."""
     position = {s.name: i for i, s in enumerate(queue)}
     solo: tuple[str, ...] = ()
-    best = _pack(queue, dp, bucket_size, costs, solo, len(queue), rank_cost)
+    best = _pack(queue, dp, bucket_size, costs, solo, len(queue), rank_cost, reserved)
     for _ in range(_MAX_SOLO_SEEDS):
         # Only seeds inside the last bucket, after its first parameter, may move to the tail.
         tail_start = min(position[n] for n in best.buckets[-1].params)
@@ -337,14 +390,105 @@ def _plan_buffer(
                         key=lambda kv: kv[1], default=(None, 0))
         if seed is None or gap == 0:
             break
-        candidate = _pack(queue, dp, bucket_size, costs, solo + (seed,), tail_start, rank_cost)
+        candidate = _pack(queue, dp, bucket_size, costs, solo + (seed,), tail_start, rank_cost, reserved)
         if candidate.padding >= best.padding:
             break
         best, solo = candidate, solo + (seed,)
-    return best.buckets, best.placed, best.rank_cost
+    return best
 
 
 _MAX_SOLO_SEEDS = 8
+
+
+def _reserve_leftovers(queue: list[ParamSpec], dp: int) -> frozenset[str]:
+    """Which parameters to keep out of rounds of their own and use as fill. See Note [leftovers].
+
+    Simulates rounds by size class, largest first: a class of ``c`` parameters
+    makes ``c // dp`` full rounds, and its ``c % dp`` leftovers either fit into
+    the free shards of larger classes' short rounds or form a short round whose
+    free shards smaller classes can use. Then, largest class first, whole
+    groups of ``dp`` are moved from full rounds into free shards while
+    everything still fits. Returns the reserved names: per class, the last ones
+    in backward order.
+    """
+    if dp == 1:
+        return frozenset()
+    classes: dict[int, list[str]] = defaultdict(list)
+    for s in queue:
+        classes[aligned(s.numel)].append(s.name)
+    sizes = sorted(classes, reverse=True)
+    count = {z: len(classes[z]) for z in sizes}
+    fill = {z: 0 for z in sizes}
+
+    def fits(upto: int) -> bool:
+        """Whether the fill of the first ``upto`` classes fits, packed largest first, first shard first."""
+        bins: list[list[int]] = []  # [room, number of shards with that room], in order of creation
+        for z in sizes[:upto]:
+            left = fill[z]
+            i = 0
+            while left and i < len(bins):
+                room, n = bins[i]
+                k = room // z
+                if k == 0:
+                    i += 1
+                    continue
+                full = min(n, left // k)
+                parts = []
+                if full:
+                    parts.append([room - k * z, full])
+                    left -= full * k
+                if full < n and left:
+                    parts.append([room - left * z, 1])
+                    left = 0
+                    full += 1
+                if full < n:
+                    parts.append([room, n - full])
+                bins[i:i + 1] = parts
+                i += len(parts) - (full < n)
+            if left:
+                return False
+            short = (count[z] - fill[z]) % dp
+            if short:
+                bins.append([z, dp - short])
+        return True
+
+    for i, z in enumerate(sizes):
+        fill[z] = count[z] % dp
+        if not fits(i + 1):
+            fill[z] = 0
+    leftover = dict(fill)
+
+    def add_groups(start: int) -> None:
+        for z in sizes[start:]:
+            while fill[z] + dp <= count[z]:
+                fill[z] += dp
+                if not fits(len(sizes)):
+                    fill[z] -= dp
+                    break
+
+    def rounds_length() -> int:
+        return sum(-(-(count[z] - fill[z]) // dp) * z for z in sizes)
+
+    add_groups(0)
+    # Greedy largest-first can spend free shards on a large class and leave a smaller one a
+    # round of its own that a better mix avoids: give back one group of a class and refill
+    # the smaller classes; keep it if the rounds get shorter.
+    best, improved = rounds_length(), True
+    while improved:
+        improved = False
+        for j, z in enumerate(sizes):
+            if fill[z] - dp < leftover[z]:
+                continue
+            saved = dict(fill)
+            fill[z] -= dp
+            for y in sizes[j + 1:]:
+                fill[y] = leftover[y]
+            add_groups(j + 1)
+            if fits(len(sizes)) and rounds_length() < best:
+                best, improved = rounds_length(), True
+                break
+            fill.update(saved)
+    return frozenset(n for z in sizes if fill[z] for n in classes[z][len(classes[z]) - fill[z]:])
 
 
 @dataclass
@@ -362,18 +506,25 @@ class _Packing:
 
 
 def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
-          solo: tuple[str, ...], tail_start: int, initial_cost: Sequence[float] | None = None) -> _Packing:
+          solo: tuple[str, ...], tail_start: int, initial_cost: Sequence[float] | None = None,
+          reserved: frozenset[str] = frozenset()) -> _Packing:
     """One packing pass over ``queue``.
 
     ``solo`` seeds get rounds filled from the tail of the queue, never from
     before position ``tail_start``. ``initial_cost`` is what each rank
-    carries from earlier buffers (default: nothing).
+    carries from earlier buffers (default: nothing). ``reserved`` parameters
+    (see Note [leftovers]) are never peers of a seed that is not reserved, and
+    when there are any, shards without a peer are filled with reserved
+    parameters only, largest first.
     """
     position = {s.name: i for i, s in enumerate(queue)}
     pending: dict[str, ParamSpec] = {s.name: s for s in queue}  # insertion order = backward order
-    by_size: dict[int, list[str]] = defaultdict(list)
+    # Ordered sets (dicts) per aligned size: O(1) removal keeps large models fast.
+    by_size: dict[int, dict[str, None]] = defaultdict(dict)
+    spare: dict[int, dict[str, None]] = defaultdict(dict)  # the reserved ones, by size
     for s in queue:
-        by_size[aligned(s.numel)].append(s.name)
+        (spare if s.name in reserved else by_size)[aligned(s.numel)][s.name] = None
+    cursor = 0  # every parameter before queue[cursor] is packed
 
     rank_cost = [0.0] * dp if initial_cost is None else list(initial_cost)
     placed: dict[str, tuple[int, int, int]] = {}
@@ -385,8 +536,19 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
 
     def take(name: str) -> ParamSpec:
         spec = pending.pop(name)
-        by_size[aligned(spec.numel)].remove(name)
+        size = aligned(spec.numel)
+        by_size[size].pop(name, None)
+        spare[size].pop(name, None)
         return spec
+
+    def backward(start: int = 0):
+        """Pending names from ``queue[start:]`` in backward order (safe while taking)."""
+        nonlocal cursor
+        while cursor < len(queue) and queue[cursor].name not in pending:
+            cursor += 1
+        for i in range(max(start, cursor), len(queue)):
+            if queue[i].name in pending:
+                yield queue[i].name
 
     def close_bucket() -> None:
         nonlocal bucket_start, shard_fill, open_rounds
@@ -408,12 +570,36 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
         buckets.append(BucketPlan(index, bucket_start, end, dp, tuple(n for _, n in sorted(names))))
         bucket_start, shard_fill, open_rounds = end, 0, []
 
-    def fill(seed: ParamSpec, contents: list[list[ParamSpec]], candidates) -> None:
-        """Packs the round's shards that have no peer with parameters that fit, in ``candidates`` order."""
-        length, gap = aligned(seed.numel), 0
+    def fill(seed: ParamSpec, contents: list[list[ParamSpec]], candidates, after: int) -> None:
+        """Packs the round's shards that have no peer with parameters that fit, in ``candidates`` order.
+
+        With reserved parameters, only those after position ``after`` fill, largest first:
+        each size class in turn goes into the free shards, first shard first.
+        """
+        length = aligned(seed.numel)
+        free = dp - len(contents)
+        if reserved:
+            rooms = [length] * free
+            shards: list[list[ParamSpec]] = [[] for _ in range(free)]
+            for size in sorted((z for z, names in spare.items() if names and z <= length), reverse=True):
+                names = [n for n in spare[size] if position[n] > after]
+                k = 0
+                for i in range(free):
+                    while k < len(names) and rooms[i] >= size:
+                        shards[i].append(take(names[k]))
+                        rooms[i] -= size
+                        k += 1
+                    if k == len(names):
+                        break
+            for members in shards:
+                members.sort(key=lambda s: position[s.name])
+            contents.extend(shards)
+            gaps[seed.name] = sum(rooms)
+            return
+        gap = 0
         while len(contents) < dp:
             room, members = length, []
-            for name in list(candidates()):
+            for name in candidates():
                 need = aligned(pending[name].numel)
                 if need <= room:
                     members.append(take(name))
@@ -431,17 +617,22 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
             continue
         seed = take(name)
         contents = [[seed]]
-        fill(seed, contents, lambda: (n for n in reversed(pending) if position[n] > tail_start))
+        fill(seed, contents, lambda: [n for n in reversed(pending) if position[n] > tail_start], tail_start)
         tail_rounds.append(contents)
 
     def rounds():
         while pending:
-            seed = take(next(iter(pending)))
+            seed = take(next(backward()))
             contents = [[seed]]
-            for name in list(by_size[aligned(seed.numel)][: dp - 1]):
-                contents.append([take(name)])
+            size = aligned(seed.numel)
+            # Peers: unreserved parameters of the seed's size; a reserved seed (one no earlier
+            # round had room for) also takes reserved peers, first.
+            pools = (spare[size], by_size[size]) if seed.name in reserved else (by_size[size],)
+            for peers in pools:
+                for name in list(islice(peers, dp - len(contents))):
+                    contents.append([take(name)])
             # Shards without a peer: pack smaller parameters greedily, in backward order.
-            fill(seed, contents, lambda: iter(pending))
+            fill(seed, contents, backward, position[seed.name])
             yield contents
         yield from reversed(tail_rounds)
 
