@@ -19,6 +19,16 @@ Note [bucket order]
     all-gather sequence is forward order (buckets sorted by the first registered
     parameter they hold), the reduce-scatter sequence its reverse.
 
+Note [timing communication waits]
+    :attr:`LayerwiseDataParallel.comm_wait_seconds` is ``None`` by default and
+    then nothing is timed (one ``is None`` test per wait). Setting it to a dict
+    (``wrapper.comm_wait_seconds = {}``) makes every wait of the wrapper add its
+    wall-clock seconds under ``"reduce_scatter"``, ``"all_gather"`` or
+    ``"norm_all_reduce"`` (the synchronous all-reduce of
+    :meth:`grad_norm_squared`): the time this process was blocked on
+    communication that compute did not hide. On CUDA a ``wait()`` only orders
+    streams, so host wall time there does not measure exposed communication.
+
 Note [gradient lifecycle]
     The grad buffer is zeroed lazily by the first forward with grad enabled
     after a step's gradients were handed out (or explicitly by
@@ -33,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -126,6 +137,8 @@ class LayerwiseDataParallel(nn.Module):
         self.prefetch_depth = prefetch_depth
         self.broadcast_buffers = broadcast_buffers
         self.events: list[tuple[str, str]] | None = [] if trace else None
+        self.comm_wait_seconds: dict[str, float] | None = None
+        """Seconds blocked in waits, by collective; ``None``: not timed. See Note [timing communication waits]."""
         self.dp_size = self.process_groups.dp_size
         self.dp_rank = self.process_groups.dp_rank
 
@@ -285,7 +298,12 @@ class LayerwiseDataParallel(nn.Module):
         self._dispatch_ready_reduces(force=True)
         for bucket in self._reduce_order:
             if bucket.reduce is not None:
-                bucket.reduce.wait()
+                if self.comm_wait_seconds is None:
+                    bucket.reduce.wait()
+                else:
+                    t0 = time.perf_counter()
+                    bucket.reduce.wait()
+                    self._add_wait("reduce_scatter", t0)
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
@@ -314,7 +332,12 @@ class LayerwiseDataParallel(nn.Module):
         for bucket in self._buckets:
             shard = bucket.grad_data.chunk(self.dp_size)[self.dp_rank]
             total += shard.float().square().sum()
-        return collectives.all_reduce_sum(total, self.process_groups.dp)
+        if self.comm_wait_seconds is None:
+            return collectives.all_reduce_sum(total, self.process_groups.dp)
+        t0 = time.perf_counter()
+        collectives.all_reduce_sum(total, self.process_groups.dp)
+        self._add_wait("norm_all_reduce", t0)
+        return total
 
     # --- parameters ----------------------------------------------------------------
     def start_param_sync(self, force_sync: bool = False) -> None:
@@ -355,7 +378,12 @@ class LayerwiseDataParallel(nn.Module):
 
     def _wait_oldest_gather(self) -> None:
         bucket = self._in_flight.pop(0)
-        bucket.gather.wait()
+        if self.comm_wait_seconds is None:
+            bucket.gather.wait()
+        else:
+            t0 = time.perf_counter()
+            bucket.gather.wait()
+            self._add_wait("all_gather", t0)
         bucket.gather = None
         bucket.state = BucketState.SYNCED
         self._trace("ag_wait", bucket)
@@ -409,6 +437,10 @@ class LayerwiseDataParallel(nn.Module):
         if buffers and self.process_groups.dp is not None:
             with torch.no_grad():
                 collectives.broadcast_tensors(buffers, self.process_groups.dp)
+
+    def _add_wait(self, kind: str, t0: float) -> None:
+        waits = self.comm_wait_seconds
+        waits[kind] = waits.get(kind, 0.0) + time.perf_counter() - t0
 
     def _trace(self, event: str, bucket: Bucket) -> None:
         if self.events is not None:
