@@ -298,12 +298,7 @@ class LayerwiseDataParallel(nn.Module):
         self._dispatch_ready_reduces(force=True)
         for bucket in self._reduce_order:
             if bucket.reduce is not None:
-                if self.comm_wait_seconds is None:
-                    bucket.reduce.wait()
-                else:
-                    t0 = time.perf_counter()
-                    bucket.reduce.wait()
-                    self._add_wait("reduce_scatter", t0)
+                self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
@@ -378,12 +373,7 @@ class LayerwiseDataParallel(nn.Module):
 
     def _wait_oldest_gather(self) -> None:
         bucket = self._in_flight.pop(0)
-        if self.comm_wait_seconds is None:
-            bucket.gather.wait()
-        else:
-            t0 = time.perf_counter()
-            bucket.gather.wait()
-            self._add_wait("all_gather", t0)
+        self._wait(bucket.gather, "all_gather")
         bucket.gather = None
         bucket.state = BucketState.SYNCED
         self._trace("ag_wait", bucket)
@@ -437,6 +427,15 @@ class LayerwiseDataParallel(nn.Module):
         if buffers and self.process_groups.dp is not None:
             with torch.no_grad():
                 collectives.broadcast_tensors(buffers, self.process_groups.dp)
+
+    def _wait(self, collective: collectives.Collective, kind: str) -> None:
+        """Waits for ``collective``, timed under ``kind`` if requested (Note [timing communication waits])."""
+        if self.comm_wait_seconds is None:
+            collective.wait()
+            return
+        t0 = time.perf_counter()
+        collective.wait()
+        self._add_wait(kind, t0)
 
     def _add_wait(self, kind: str, t0: float) -> None:
         waits = self.comm_wait_seconds

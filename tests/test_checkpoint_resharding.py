@@ -416,35 +416,42 @@ def _copy(src, dst):
     return dst
 
 
-@pytest.mark.slow
-def test_truncated_or_foreign_directories_raise_clear_errors(sharded_checkpoint, tmp_path):
-    no_meta = _copy(sharded_checkpoint, tmp_path / "no_meta.ckpt")
-    (no_meta / "meta.pt").unlink()
-    with pytest.raises(RuntimeError, match=r"no meta\.pt: it is not a complete checkpoint.*interrupted"):
-        run_distributed(_load_worker, 1, str(no_meta))
+def _drop_meta(path):
+    (path / "meta.pt").unlink()
 
-    missing_file = _copy(sharded_checkpoint, tmp_path / "missing.ckpt")
-    (missing_file / "__1_0.distcp").unlink()
-    with pytest.raises(RuntimeError, match=r"missing the data file '__1_0\.distcp'"):
-        run_distributed(_load_worker, 1, str(missing_file))
 
-    truncated = _copy(sharded_checkpoint, tmp_path / "truncated.ckpt")
-    data = truncated / "__0_0.distcp"
+def _drop_data_file(path):
+    (path / "__1_0.distcp").unlink()
+
+
+def _truncate_data_file(path):
+    data = path / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    with pytest.raises(RuntimeError, match=r"'__0_0\.distcp' is truncated"):
-        run_distributed(_load_worker, 1, str(truncated))
 
-    foreign = _copy(sharded_checkpoint, tmp_path / "foreign.ckpt")
-    meta = torch.load(foreign / "meta.pt", weights_only=False)
+
+def _drop_layerwise_record(path):
+    meta = torch.load(path / "meta.pt", weights_only=False)
     del meta["layerwise"]
-    torch.save(meta, foreign / "meta.pt")
-    with pytest.raises(RuntimeError, match=r"not written by LayerwiseStrategy.*consolidate_checkpoint"):
-        run_distributed(_load_worker, 1, str(foreign))
+    torch.save(meta, path / "meta.pt")
 
-    no_index = _copy(sharded_checkpoint, tmp_path / "no_index.ckpt")
-    (no_index / ".metadata").unlink()
-    with pytest.raises(RuntimeError, match=r"no \.metadata"):
-        run_distributed(_load_worker, 1, str(no_index))
+
+def _drop_index(path):
+    (path / ".metadata").unlink()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage, message", [
+    (_drop_meta, r"no meta\.pt: it is not a complete checkpoint.*interrupted"),
+    (_drop_data_file, r"missing the data file '__1_0\.distcp'"),
+    (_truncate_data_file, r"'__0_0\.distcp' is truncated"),
+    (_drop_layerwise_record, r"not written by LayerwiseStrategy.*consolidate_checkpoint"),
+    (_drop_index, r"no \.metadata"),
+], ids=["no-meta", "missing-file", "truncated-file", "foreign", "no-index"])
+def test_truncated_or_foreign_directories_raise_clear_errors(sharded_checkpoint, tmp_path, damage, message):
+    broken = _copy(sharded_checkpoint, tmp_path / "broken.ckpt")
+    damage(broken)
+    with pytest.raises(RuntimeError, match=message):
+        run_distributed(_load_worker, 1, str(broken))
 
 
 @pytest.mark.slow
