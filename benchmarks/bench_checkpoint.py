@@ -9,10 +9,12 @@ For each world size and format, fresh processes (gloo, one thread each) train
 the example GPT (``examples/gpt.py``, random tokens) for 2 steps under
 ``LayerwiseStrategy(checkpoint_format=...)``, then ``trainer.save_checkpoint``
 writes a checkpoint, and a new Trainer resumes from it at the same world size.
-Around each save and load a thread samples the rank's resident set size (RSS,
-``/proc/self/statm``) every millisecond; the report gives, per rank, the peak
-RSS during the operation minus the RSS just before it (what the operation
-itself costs), the wall time, and the rank's *share*: the bytes of the
+Around each save and each restore (reading the checkpoint, loading the model's
+weights and the optimizer's state) a thread samples the rank's resident set
+size (RSS, ``/proc/self/statm``) every millisecond; the report gives, per rank,
+the peak RSS during the operation minus the RSS just before it (what the
+operation itself costs, including the optimizer state it allocates), the wall
+time, and the rank's *share*: the bytes of the
 parameters it owns plus their optimizer state, i.e. what the sharded format
 writes from that rank. A full checkpoint instead gathers every rank's state on
 rank 0 (pickled by ``gather_object``) before one file is written.
@@ -88,17 +90,16 @@ def worker(args) -> None:
             measured["save"] = {"peak_rss_delta": m.delta, "seconds": m.seconds}
 
         def load_checkpoint(self, checkpoint_path, weights_only=None):
-            with PeakRSS() as m:
-                out = super().load_checkpoint(checkpoint_path, weights_only)
-                if "state_dict" in out:  # full: the weights are copied in later by Lightning; count it here
-                    self.load_model_state_dict(out)
-            measured["load"] = {"peak_rss_delta": m.delta, "seconds": m.seconds}
-            return out
+            # The restore is measured from here to the end of load_optimizer_state_dict: reading,
+            # the model's weights and the optimizer's (owned) state, in either format.
+            measured["restore"] = PeakRSS().__enter__()
+            return super().load_checkpoint(checkpoint_path, weights_only)
 
-        def load_model_state_dict(self, checkpoint, strict=True):
-            if not measured.get("model_loaded"):
-                measured["model_loaded"] = True
-                super().load_model_state_dict(checkpoint, strict)
+        def load_optimizer_state_dict(self, checkpoint):
+            super().load_optimizer_state_dict(checkpoint)
+            m = measured.pop("restore")
+            m.__exit__(None, None, None)
+            measured["load"] = {"peak_rss_delta": m.delta, "seconds": m.seconds}
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -168,6 +169,8 @@ def worker(args) -> None:
                "param_bytes": total_bytes, "state_bytes": total_state.item(), "checkpoint_bytes": size,
                "ranks": [dict(zip(keys, r.tolist())) for r in rows]}
         Path(args.out).write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()  # an orderly exit; gloo threads left running can abort the interpreter
 
 
 def run(args) -> None:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -410,6 +410,12 @@ class LayerwiseStrategy(DDPStrategy):
             path = resolved
             if path.is_dir():
                 return self._load_sharded(path, weights_only)
+            if type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
+                # Memory-mapped: a rank reads the pages of the tensors it uses (all parameters, its
+                # owned optimizer state), not the whole optimizer state. Owned state is copied out
+                # of the mapping in load_optimizer_state_dict.
+                return torch.load(path, map_location="cpu", mmap=True,
+                                  weights_only=False if weights_only is None else weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     def _load_sharded(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -494,7 +500,9 @@ class LayerwiseStrategy(DDPStrategy):
             return wrapper is None or p in masters or p not in wrapper._param_names or wrapper.owns(p)
 
         for optimizer, saved in zip(self.optimizers, states):
-            optimizer.load_state_dict(ckpt.local_optimizer_state(saved, optimizer, names, keep))
+            local = ckpt.local_optimizer_state(saved, optimizer, names, keep)
+            local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off the mmap'd file
+            optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, self.root_device)
             if self._masters is not None and saved.get("master_weights"):
                 self._masters.load_state_dict(saved["master_weights"])
@@ -555,6 +563,14 @@ def _parameter_names(module: torch.nn.Module, masters: Optional[MasterWeights]) 
     if masters is not None:
         names.update(masters.names)
     return names
+
+
+def _own_copy(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _own_copy(v) for k, v in value.items()}
+    return value
 
 
 def _is_local_path(path: Path) -> bool:
