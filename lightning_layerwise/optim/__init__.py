@@ -1,6 +1,7 @@
 """Optimizers for layer-wise training: Muon for matrices, AdamW for the rest, and the rule that splits them."""
 
 from lightning_layerwise.optim.muon import (
+    DEFAULT_NS_BATCH_BYTES,
     NS_SCHEDULES,
     Muon,
     adjust_lr_scale,
@@ -14,6 +15,7 @@ from lightning_layerwise.optim.muon import (
 from lightning_layerwise.optim.param_groups import describe_param_groups, muon_param_groups, route_parameters
 
 __all__ = [
+    "DEFAULT_NS_BATCH_BYTES",
     "NS_SCHEDULES",
     "Muon",
     "adjust_lr_scale",

@@ -33,6 +33,29 @@ Note [batched Newton-Schulz]
     4 * n_layer. The Frobenius norm is taken per matrix, so the result equals
     the per-matrix path up to the rounding of the batched kernels.
 
+Note [chunked Newton-Schulz]
+    Stacking every owned matrix of one shape at once makes the temporaries of
+    a step grow with the number of matrices. ``ns_batch_bytes`` caps one
+    stack: a same-shape batch of n matrices is cut into ceil(n / k)
+    consecutive chunks of nearly equal length (they differ by at most one),
+    ``k = ns_batch_bytes // (rows * cols * itemsize(ns_dtype))``, and
+    :func:`muon_step` runs momentum, Newton-Schulz and the parameter update
+    chunk by chunk, dropping each chunk's temporaries before the next, so the
+    step's peak is a fixed multiple of the budget (docs/muon.md), whatever the
+    number of matrices. ``None`` stacks the whole batch.
+
+    No operation mixes the matrices of a stack (the norm is per matrix, each
+    matmul of a ``baddbmm`` is one matrix's), so chunking should change no
+    value, and on CPU it changes none (tested, bf16 and float32, 1 and 2
+    threads) with one exception that the chunking avoids: oneDNN multiplies
+    a bf16 *batch of one* differently from a batch of several (measured: a
+    16x16 or a tall 2048x512 matrix differs in the last bits). A chunk
+    therefore holds at least two matrices, so a budget below two matrices'
+    bytes is exceeded (stacks of two, or three for an odd count), as a budget
+    below one matrix's is by a shape that occurs once. On CUDA, cuBLAS picks
+    its kernels by problem size, batch count included, so chunked and
+    unchunked results may differ in rounding there (not measured).
+
 Note [defaults of the two group kinds]
     ``Optimizer.__init__`` fills every missing group key from ``defaults``, so
     a plain ``defaults["lr"]`` would hand the Muon lr to AdamW groups.
@@ -55,6 +78,7 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _functional_adamw
 
 __all__ = [
+    "DEFAULT_NS_BATCH_BYTES",
     "NS_SCHEDULES",
     "Muon",
     "adjust_lr_scale",
@@ -100,6 +124,9 @@ NS_SCHEDULES: dict[str, tuple[Triple, ...]] = {
 }
 
 _ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
+# The most bytes one Newton-Schulz stack holds by default (Note [chunked Newton-Schulz]): 128
+# bf16 matrices of 1024x1024 or 2 of 8192x8192 per batched call, enough to amortise launches.
+DEFAULT_NS_BATCH_BYTES = 2**28
 _DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -216,6 +243,77 @@ def newton_schulz(
     return X.reshape(*batch_shape, m, n)
 
 
+def _chunk_lengths(count: int, rows: int, cols: int, dtype: torch.dtype, max_batch_bytes: int | None) -> list[int]:
+    """Lengths of the stacks that ``count >= 2`` same-shape matrices are cut into (Note [chunked Newton-Schulz]).
+
+    As few stacks as the budget allows, of nearly equal length, none shorter than two.
+    """
+    if max_batch_bytes is None:
+        return [count]
+    limit = max(2, max_batch_bytes // (rows * cols * dtype.itemsize))
+    chunks = -(-count // limit)
+    if count // chunks < 2:  # limit 2 and an odd count: one stack of three rather than one of one
+        chunks = count // 2
+    base, longer = divmod(count, chunks)
+    return [base + 1] * longer + [base] * (chunks - longer)
+
+
+def _ns_chunks(
+    keys: Sequence[tuple], dtype: torch.dtype, batched: bool, max_batch_bytes: int | None
+) -> list[tuple[list[int], bool]]:
+    """Index lists to orthogonalise together, and whether each takes the batched path.
+
+    ``keys[i]`` is ``((rows, cols), dtype, device)`` of matrix ``i``. Matrices sharing a
+    key form a batch (order of first appearance), cut into stacks of
+    :func:`_chunk_lengths`; a key seen once, or ``batched=False``, gives
+    per-matrix chunks on the reference path. See Note [chunked Newton-Schulz].
+    """
+    if not batched:
+        return [([i], False) for i in range(len(keys))]
+    buckets: dict[tuple, list[int]] = defaultdict(list)
+    for i, key in enumerate(keys):
+        buckets[key].append(i)
+    chunks: list[tuple[list[int], bool]] = []
+    for (shape, _, _), idx in buckets.items():
+        if len(idx) == 1:
+            chunks.append((idx, False))
+            continue
+        start = 0
+        for length in _chunk_lengths(len(idx), shape[0], shape[1], dtype, max_batch_bytes):
+            chunks.append((idx[start:start + length], True))
+            start += length
+    return chunks
+
+
+def _stack_as(matrices: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """``torch.stack(matrices).to(dtype)`` without the intermediate stack in the input dtype."""
+    first = matrices[0]
+    out = torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
+    for slot, M in zip(out, matrices):
+        slot.copy_(M)  # the same rounding as .to(dtype)
+    return out
+
+
+def _orthogonalize_chunk(
+    matrices: Sequence[Tensor],
+    stacked: bool,
+    steps: int,
+    coefficients: NSCoefficients,
+    eps: float,
+    dtype: torch.dtype,
+) -> Sequence[Tensor]:
+    """Newton-Schulz of one chunk (see :func:`_ns_chunks`): one batched call, or the reference path."""
+    if not stacked:
+        return [newton_schulz_reference(M, steps, coefficients, eps, dtype) for M in matrices]
+    return newton_schulz(_stack_as(matrices, dtype), steps, coefficients, eps, dtype).unbind(0)
+
+
+def _check_2d(matrices: Sequence[Tensor]) -> None:
+    for i, M in enumerate(matrices):
+        if M.ndim != 2:
+            raise ValueError(f"orthogonalize takes 2-D matrices; matrix {i} has shape {tuple(M.shape)}")
+
+
 def orthogonalize(
     matrices: Sequence[Tensor],
     steps: int = 5,
@@ -223,25 +321,21 @@ def orthogonalize(
     eps: float = 1e-7,
     dtype: torch.dtype = torch.bfloat16,
     batched: bool = True,
+    max_batch_bytes: int | None = None,
 ) -> list[Tensor]:
-    """Newton-Schulz on a list of 2-D matrices; same-shape ones share one batched call.
+    """Newton-Schulz on a list of 2-D matrices; same-shape ones share batched calls.
 
-    See Note [batched Newton-Schulz]. Output ``i`` corresponds to input ``i``.
+    See Note [batched Newton-Schulz]. ``max_batch_bytes`` caps the bytes of one stack
+    (in ``dtype``); a larger same-shape batch is orthogonalised in chunks, with the same
+    result (Note [chunked Newton-Schulz]). Output ``i`` corresponds to input ``i``.
     """
-    if not batched:
-        return [newton_schulz_reference(M, steps, coefficients, eps, dtype) for M in matrices]
+    if batched:
+        _check_2d(matrices)
     out: list[Tensor | None] = [None] * len(matrices)
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, M in enumerate(matrices):
-        if M.ndim != 2:
-            raise ValueError(f"orthogonalize takes 2-D matrices; matrix {i} has shape {tuple(M.shape)}")
-        buckets[(tuple(M.shape), M.dtype, M.device)].append(i)
-    for idx in buckets.values():
-        if len(idx) == 1:
-            out[idx[0]] = newton_schulz_reference(matrices[idx[0]], steps, coefficients, eps, dtype)
-            continue
-        stacked = newton_schulz(torch.stack([matrices[i] for i in idx]), steps, coefficients, eps, dtype)
-        for i, O in zip(idx, stacked.unbind(0)):
+    keys = [(tuple(M.shape), M.dtype, M.device) for M in matrices]
+    for idx, stacked in _ns_chunks(keys, dtype, batched, max_batch_bytes):
+        for i, O in zip(idx, _orthogonalize_chunk([matrices[i] for i in idx], stacked, steps, coefficients, eps,
+                                                  dtype)):
             out[i] = O
     return out  # type: ignore[return-value]
 
@@ -295,24 +389,37 @@ def muon_step(
     ns_dtype: torch.dtype,
     adjust_lr: AdjustLR | None,
     batched: bool,
+    ns_batch_bytes: int | None = None,
 ) -> None:
     """One Muon step on lists of parameters (updated in place) and their momentum buffers.
 
     For each parameter: momentum (:func:`muon_update`), Newton-Schulz on the
     ``(out, rest)`` matrix view, decoupled weight decay ``p *= 1 - lr*wd`` (with the
     unscaled lr, as torch), then ``p -= lr * adjust_lr_scale(shape) * O``.
+    Parameters are processed one Newton-Schulz chunk at a time (at most
+    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz]); each
+    parameter's update depends only on its own gradient and buffer, so the order
+    changes nothing.
     """
     if not params:
         return
-    directions = [muon_update(g, buf, momentum, nesterov) for g, buf in zip(grads, momentum_buffers)]
     # Conv kernels (out, in, kh, kw) are orthogonalised as (out, in*kh*kw) matrices.
-    matrices = [d.reshape(d.size(0), -1) for d in directions]
-    ortho = orthogonalize(matrices, ns_steps, ns_coefficients, ns_eps, ns_dtype, batched)
-    for p, O in zip(params, ortho):
-        scaled_lr = lr * adjust_lr_scale(p.shape, adjust_lr)
-        p.mul_(1 - lr * weight_decay)
-        # A bf16 O added to an fp32 p is promoted exactly, as in torch.optim.Muon.
-        p.add_(O.reshape(p.shape), alpha=-scaled_lr)
+    keys = [((b.size(0), b.numel() // max(b.size(0), 1)), b.dtype, b.device) for b in momentum_buffers]
+    for idx, stacked in _ns_chunks(keys, ns_dtype, batched, ns_batch_bytes):
+        # One chunk at a time: its temporaries are dropped before the next chunk's are made.
+        directions = [muon_update(grads[i], momentum_buffers[i], momentum, nesterov) for i in idx]
+        matrices = [d.reshape(d.size(0), -1) for d in directions]
+        # Through orthogonalize (one stack, or the reference path for one matrix), which profilers and
+        # benchmarks/bench_strategies.py wrap to time Newton-Schulz.
+        ortho = orthogonalize(matrices, ns_steps, ns_coefficients, ns_eps, ns_dtype, batched=stacked)
+        del directions, matrices
+        for i, O in zip(idx, ortho):
+            p = params[i]
+            scaled_lr = lr * adjust_lr_scale(p.shape, adjust_lr)
+            p.mul_(1 - lr * weight_decay)
+            # A bf16 O added to an fp32 p is promoted exactly, as in torch.optim.Muon.
+            p.add_(O.reshape(p.shape), alpha=-scaled_lr)
+        del ortho
 
 
 # ---------------------------------------------------------------------------
@@ -350,6 +457,17 @@ def _check_ns(where: str, coefficients: Any, steps: Any) -> None:
         resolve_ns_coefficients(coefficients, steps)
     except ValueError as err:
         raise ValueError(f"{where}{err}") from None
+
+
+def _check_batch_bytes(where: str, value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(
+            f"{where}ns_batch_bytes={value!r} is invalid: it must be a whole number of bytes >= 1 (the most one "
+            f"Newton-Schulz stack may hold) or None (no limit), e.g. ns_batch_bytes={DEFAULT_NS_BATCH_BYTES} "
+            f"(256 MiB)"
+        )
 
 
 def _check_adjust_lr(where: str, value: Any) -> None:
@@ -420,6 +538,10 @@ class Muon(Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults;
             a group's own ``lr``/``betas``/``eps``/``weight_decay`` keys win.
         batched: orthogonalise same-shape matrices in one batched call.
+        ns_batch_bytes: the most bytes of one such batched call's stack (in ``ns_dtype``);
+            a larger same-shape batch runs in chunks, with bitwise the same result and a
+            peak memory set by this budget instead of by the number of matrices
+            (Note [chunked Newton-Schulz]). ``None``: no limit, one stack per shape.
     """
 
     def __init__(
@@ -439,6 +561,7 @@ class Muon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         batched: bool = True,
+        ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
     ) -> None:
         where = "Muon: "
         _check_nonneg(where, "lr", lr, "0.02")
@@ -452,6 +575,7 @@ class Muon(Optimizer):
         _check_betas(where, "adamw_betas", adamw_betas)
         _check_nonneg(where, "adamw_eps", adamw_eps, "1e-8")
         _check_nonneg(where, "adamw_weight_decay", adamw_weight_decay, "0.0")
+        _check_batch_bytes(where, ns_batch_bytes)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -467,6 +591,7 @@ class Muon(Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             batched=batched,
+            ns_batch_bytes=ns_batch_bytes,
         )
         super().__init__(self._route_plain_params(params), defaults)
 
@@ -546,6 +671,8 @@ class Muon(Optimizer):
                 _check_adjust_lr(where, group["adjust_lr"])
             if "ns_dtype" in group:
                 _resolve_dtype(where, group["ns_dtype"])
+            if "ns_batch_bytes" in group:
+                _check_batch_bytes(where, group["ns_batch_bytes"])
         else:
             _check_betas(where, "betas", group["betas"])
             _check_nonneg(where, "eps", group["eps"], "1e-8")
@@ -598,6 +725,8 @@ class Muon(Optimizer):
             ns_dtype=group["ns_dtype"],
             adjust_lr=group["adjust_lr"],
             batched=group["batched"],
+            # A group loaded from a state dict saved before this key existed lacks it.
+            ns_batch_bytes=group.get("ns_batch_bytes", self.defaults["ns_batch_bytes"]),
         )
 
     def _step_adamw(self, group: dict[str, Any]) -> None:
