@@ -17,7 +17,8 @@ operation itself costs, including the optimizer state it allocates), the wall
 time, and the rank's *share*: the bytes of the
 parameters it owns plus their optimizer state, i.e. what the sharded format
 writes from that rank. A full checkpoint instead gathers every rank's state on
-rank 0 (pickled by ``gather_object``) before one file is written.
+rank 0 (tensor by tensor, point-to-point; only their names and shapes are pickled) before one file
+is written.
 
 Writes ``benchmarks/results/checkpoint_cpu.json`` and prints a markdown table.
 """

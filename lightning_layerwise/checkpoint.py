@@ -30,6 +30,34 @@ Note [sharded layout]
     the optimizer state it owns under the *new* layout, and an all-gather spreads
     the parameters; no rank ever holds the whole optimizer state.
 
+Note [gathering a full checkpoint]
+    A full checkpoint needs every rank's owned optimizer state on rank 0. Pickling
+    it through ``gather_object`` would stage every rank's pickled tensors in one
+    buffer, and on NCCL that buffer lives in GPU memory (world_size times the
+    largest rank's state on rank 0's GPU). :func:`gather_named_state` therefore
+    splits each rank's part into a *skeleton* (the nested dicts with every tensor
+    replaced by a :class:`TensorSlot`: its index, shape and dtype) and the list of
+    its tensors. Only skeletons go through ``gather_object``; the tensors travel
+    one at a time as raw bytes, point to point (``batch_isend_irecv`` with a single
+    op, which on NCCL reuses the group's communicator instead of creating one per
+    pair of ranks), on the device the group's backend communicates on. Rank 0
+    receives each tensor into a buffer of exactly its bytes, copies it to CPU and
+    drops the buffer before the next, so its device holds at most one extra tensor
+    at a time; a sender moves a tensor to that device (a no-op for GPU state on
+    NCCL) only while it sends it.
+
+Note [weights_only]
+    Everything this module reads back from a checkpoint it wrote is unpickled
+    with ``weights_only=True`` semantics unless the caller passes
+    ``weights_only=False`` (Lightning's ``fit(..., weights_only=False)``): ``meta.pt``
+    with ``torch.load(weights_only=True)`` (:func:`load_meta`), the Python objects
+    inside the ``torch.distributed.checkpoint`` files (the param groups), which
+    DCP's default planner would unpickle with ``weights_only=False``, are first
+    loaded with ``weights_only=True``, and DCP's ``.metadata`` index, a plain
+    pickle, through an unpickler that allows only torch.distributed.checkpoint's
+    classes, ``torch.Size``, dtypes, layouts and paths (:func:`read_dcp_index`).
+    A refused object raises :class:`CheckpointError` naming its class.
+
 Note [atomic save]
     A checkpoint is written aside (``.NAME.partial``) and renamed into place when
     complete, so a process killed while saving leaves the previous checkpoint
@@ -42,11 +70,16 @@ Note [atomic save]
 
 from __future__ import annotations
 
+import functools
+import io
+import math
 import os
+import pickle
+import re
 import shutil
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -123,24 +156,127 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
+_MERGED_KEYS = ("state", "master_weights")
+
+
+class TensorSlot(NamedTuple):
+    """A tensor's place in a skeleton (Note [gathering a full checkpoint]): what rank 0 allocates for it."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def split_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor replaced by a :class:`TensorSlot`; the tensors are appended to ``tensors``."""
+    if torch.is_tensor(value):
+        tensors.append(value)
+        return TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    if isinstance(value, dict):
+        return {k: split_tensors(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [split_tensors(v, tensors) for v in value]
+    if type(value) is tuple:
+        return tuple(split_tensors(v, tensors) for v in value)
+    return value
+
+
+def fill_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`split_tensors`: each :class:`TensorSlot` replaced by ``tensors[slot.index]``."""
+    if isinstance(value, TensorSlot):
+        return tensors[value.index]
+    if isinstance(value, dict):
+        return {k: fill_tensors(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [fill_tensors(v, tensors) for v in value]
+    if type(value) is tuple:
+        return tuple(fill_tensors(v, tensors) for v in value)
+    return value
+
+
+def _slots(value: Any) -> list[TensorSlot]:
+    if isinstance(value, TensorSlot):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [slot for v in value for slot in _slots(v)]
+    return []
+
+
+def transfer_device(group=None) -> torch.device:
+    """The device tensors must be on to be sent over ``group``: CPU for gloo (and MPI), else the accelerator."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if accelerator is not None:
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``tensor``'s elements (copied only if not contiguous, conjugated or negated)."""
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
+
+
+def _exchange(op: Callable, buffer: torch.Tensor, peer: int, group) -> None:
+    for work in dist.batch_isend_irecv([dist.P2POp(op, buffer, peer, group)]):
+        work.wait()
+
+
+def send_tensor(tensor: torch.Tensor, dst: int, device: torch.device, group=None) -> None:
+    """Sends one tensor's bytes to global rank ``dst`` (matched by :func:`receive_tensor`); empty ones are not sent."""
+    if tensor.numel() == 0:
+        return
+    _exchange(dist.isend, _as_bytes(tensor.detach().to(device)), dst, group)
+
+
+def receive_tensor(slot: TensorSlot, src: int, device: torch.device, group=None) -> torch.Tensor:
+    """Receives the tensor ``slot`` describes from global rank ``src``, on ``device``; returns it on CPU."""
+    numel = math.prod(slot.shape)
+    if numel == 0:
+        return torch.empty(slot.shape, dtype=slot.dtype)
+    buffer = torch.empty(numel * slot.dtype.itemsize, dtype=torch.uint8, device=device)
+    _exchange(dist.irecv, buffer, src, group)
+    received = buffer.cpu()  # one device buffer at a time: it is dropped on return
+    return received.view(slot.dtype).reshape(slot.shape)
+
+
 def gather_named_state(part: dict[str, Any], group=None) -> Optional[dict[str, Any]]:
     """Every rank's disjoint named optimizer state merged on rank 0 (collective); ``None`` elsewhere.
 
     ``state`` and ``master_weights`` are merged; ``param_groups`` are identical on
-    every rank and taken from rank 0.
+    every rank and taken from rank 0. The result is on CPU. Only skeletons (names,
+    shapes, dtypes, hyperparameters) are pickled; tensors move one at a time with
+    point-to-point tensor transfers (Note [gathering a full checkpoint]).
     """
-    part = to_cpu(part)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return part
-    rank = dist.get_rank(group)
-    gathered: Optional[list] = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(part, gathered, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        return to_cpu(part)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    global_rank = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    device = transfer_device(group)
     if rank != 0:
+        tensors: list[torch.Tensor] = []
+        skeleton = {key: split_tensors(part[key], tensors) for key in _MERGED_KEYS if key in part}
+        dist.gather_object(skeleton, None, dst=global_rank(0), group=group)
+        for tensor in tensors:
+            send_tensor(tensor, global_rank(0), device, group)
         return None
-    merged = dict(gathered[0])
-    for key in ("state", "master_weights"):
-        if key in merged:
-            merged[key] = dict(sorted(chain.from_iterable(other[key].items() for other in gathered)))
+    skeletons: list = [None] * world
+    dist.gather_object(None, skeletons, dst=global_rank(0), group=group)
+    merged = to_cpu(part)
+    parts = [merged]
+    for src in range(1, world):
+        slots = sorted(_slots(skeletons[src]), key=lambda slot: slot.index)
+        received = [receive_tensor(slot, global_rank(src), device, group) for slot in slots]
+        parts.append(fill_tensors(skeletons[src], received))
+    for key in _MERGED_KEYS:
+        if any(key in p for p in parts):
+            merged[key] = dict(sorted(chain.from_iterable(p.get(key, {}).items() for p in parts)))
     return merged
 
 
@@ -228,6 +364,91 @@ def save_sharded(path: Path, state: dict[str, Any], meta: Optional[dict[str, Any
         dist.barrier(group)
 
 
+def load_meta(file: Path, weights_only: Optional[bool] = None) -> Any:
+    """``torch.load`` of a ``meta.pt``, with ``weights_only=True`` unless the caller passes ``False``.
+
+    Everything this package and Lightning write there (loops, callbacks, schedulers,
+    the scaler, plain hyperparameters, the ``"layerwise"`` record) loads with
+    ``weights_only=True``. Objects of other classes, e.g. a dataclass saved by
+    ``save_hyperparameters``, are refused with a :class:`CheckpointError` that names
+    the class and both ways to accept it.
+    """
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f"an object of {found.group(1)}" if found else f"an object it refuses ({err})"
+        raise CheckpointError(
+            f"{str(file)!r} holds {what}, which torch.load(weights_only=True) does not load. If the checkpoint "
+            "comes from a source you trust, allow it with torch.serialization.add_safe_globals([...]) or load with "
+            "weights_only=False, e.g. trainer.fit(model, ckpt_path=..., weights_only=False)."
+        ) from err
+
+
+# What a torch.distributed.checkpoint index (``.metadata``, a plain pickle) refers to besides the classes
+# of torch.distributed.checkpoint's own modules and torch's dtypes, layouts and memory formats.
+_INDEX_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+_PATH_CLASSES = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Unpickles a torch.distributed.checkpoint index, refusing any other global (as ``weights_only`` would)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = None
+        if module.split(".")[0] in ("torch", "collections", "pathlib"):  # imports nothing else
+            try:
+                found = super().find_class(module, name)
+            except (ImportError, AttributeError):
+                pass
+        allowed = found is not None and (
+            (module, name) in _INDEX_GLOBALS
+            or (module.split(".")[0] == "pathlib" and name in _PATH_CLASSES)  # pathlib._local on Python 3.13
+            or (module.startswith("torch.distributed.checkpoint.") and isinstance(found, type))
+            or (module == "torch" and isinstance(found, (torch.dtype, torch.layout, torch.memory_format))))
+        if not allowed:
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return found
+
+
+def read_dcp_index(path: Path):
+    """The ``.metadata`` index of a sharded checkpoint, unpickled with an allowlist (Note [weights_only])."""
+    file = path / DCP_METADATA_FILENAME
+    with open(file, "rb") as f:
+        try:
+            return _IndexUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(
+                f"{str(file)!r} refers to {str(err).replace('Unsupported global: GLOBAL ', '')}, which a "
+                "torch.distributed.checkpoint index does not hold; it was not written by torch.distributed."
+                "checkpoint. Load it with weights_only=False only if it comes from a source you trust."
+            ) from err
+
+
+@functools.cache
+def _weights_only_load_planner() -> type:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+        """DCP's default planner, but a saved Python object (e.g. the param groups) must load with weights_only."""
+
+        def load_bytes(self, read_item, value) -> None:
+            data = value.read()
+            try:  # DefaultLoadPlanner unpickles with weights_only=False; refuse first what True would refuse
+                torch.load(io.BytesIO(data), weights_only=True)
+            except pickle.UnpicklingError as err:
+                found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+                raise CheckpointError(
+                    f"the checkpoint entry {read_item.dest_index.fqn!r} holds "
+                    f"{f'an object of {found.group(1)}' if found else 'an object'}, which "
+                    "torch.load(weights_only=True) does not load. If the checkpoint comes from a source you "
+                    "trust, allow it with torch.serialization.add_safe_globals([...])."
+                ) from err
+            super().load_bytes(read_item, io.BytesIO(data))
+
+    return WeightsOnlyLoadPlanner
+
+
 def read_sharded_metadata(path: Path, weights_only: Optional[bool] = None):
     """``(meta, dcp_metadata)`` of a sharded checkpoint, after checking that every file it needs is complete."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -241,8 +462,7 @@ def read_sharded_metadata(path: Path, weights_only: Optional[bool] = None):
     if not (path / DCP_METADATA_FILENAME).is_file():
         raise CheckpointError(f"{where} has no {DCP_METADATA_FILENAME} (torch.distributed.checkpoint's index); "
                               "the directory is incomplete or was not written by torch.distributed.checkpoint.")
-    meta = torch.load(path / META_FILENAME, map_location="cpu",
-                      weights_only=False if weights_only is None else weights_only)
+    meta = load_meta(path / META_FILENAME, weights_only)
     record = meta.get("layerwise") if isinstance(meta, dict) else None
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise CheckpointError(f"{where} was not written by LayerwiseStrategy (its {META_FILENAME} has no "
@@ -251,7 +471,7 @@ def read_sharded_metadata(path: Path, weights_only: Optional[bool] = None):
     if record.get("version", 0) > FORMAT_VERSION:
         raise CheckpointError(f"{where} has format version {record['version']}; this lightning_layerwise reads "
                               f"up to version {FORMAT_VERSION}. Upgrade lightning_layerwise.")
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = FileSystemReader(path).read_metadata() if weights_only is False else read_dcp_index(path)
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -302,9 +522,25 @@ def nest(entries: Mapping[tuple, Any]) -> dict[str, Any]:
     return root
 
 
-def load_sharded(path: Path, state: dict[str, Any], group=None) -> None:
-    """Loads the entries of ``state`` (nested; tensors are filled in place) from ``path`` (collective)."""
-    from torch.distributed.checkpoint import FileSystemReader, load
+def load_sharded(path: Path, state: dict[str, Any], group=None, weights_only: Optional[bool] = None) -> None:
+    """Loads the entries of ``state`` (nested; tensors are filled in place) from ``path`` (collective).
 
+    Unless ``weights_only=False``, the index and every saved Python object are read as
+    ``torch.load(weights_only=True)`` would (Note [weights_only]).
+    """
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    planner = None
+    if weights_only is not False:
+        read_dcp_index(path)  # refuses a foreign global before torch.distributed.checkpoint unpickles the index
+        planner = _weights_only_load_planner()()
     distributed = dist.is_available() and dist.is_initialized()
-    load(state, storage_reader=FileSystemReader(path), process_group=group, no_dist=not distributed)
+    try:
+        load(state, storage_reader=FileSystemReader(path), planner=planner, process_group=group,
+             no_dist=not distributed)
+    except CheckpointException as err:  # DCP wraps every rank's failure; surface a refused object as ours
+        refused = [exc for exc, _ in err.failures.values() if isinstance(exc, CheckpointError)]
+        if refused:
+            raise CheckpointError(str(refused[0])) from err
+        raise
