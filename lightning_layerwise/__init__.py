@@ -11,6 +11,7 @@ from .data_parallel import LayerwiseDataParallel
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
+from .read_guard import StaleParameterReadError
 from .strategy import LayerwiseStrategy
 
 LayerwiseStrategy.register_strategies(StrategyRegistry)
@@ -22,6 +23,7 @@ __all__ = [
     "Muon",
     "ParamSpec",
     "ProcessGroups",
+    "StaleParameterReadError",
     "clip_grad_norm_",
     "clip_grad_value_",
     "describe_layout",

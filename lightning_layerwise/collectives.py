@@ -22,15 +22,23 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 @dataclass
 class Collective:
-    """An output tensor and the handle of the collective that fills it."""
+    """An output tensor and the handle of the collective that fills it.
+
+    ``divide_by``: the output holds a sum that :meth:`wait` turns into a mean (the
+    averaging fallback of :func:`reduce_scatter_bucket`).
+    """
 
     output: torch.Tensor
     work: dist.Work | None
+    divide_by: int | None = None
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.divide_by is not None:
+            self.output.div_(self.divide_by)
+            self.divide_by = None
         return self.output
 
     @property
@@ -38,19 +46,42 @@ class Collective:
         return self.work is not None
 
 
-def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Collective:
-    """Sums ``bucket`` over ``group`` into this rank's shard of it, in place.
+def supports_average(group: ProcessGroup) -> bool:
+    """Whether ``group``'s backend averages in the reduction itself (``ReduceOp.AVG``): NCCL does, gloo not."""
+    return dist.get_backend(group) == "nccl"
+
+
+def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
+                          average: bool = False) -> Collective:
+    """Sums (or with ``average``, averages) ``bucket`` over ``group`` into this rank's shard of it, in place.
 
     ``bucket`` is split into ``group`` size equal shards; after the wait, shard
-    ``rank`` of ``bucket`` holds the sum over ranks and the other shards hold
-    partial sums that must not be read. Returns the shard.
+    ``rank`` of ``bucket`` holds the sum (mean) over ranks and the other shards hold
+    partial results that must not be read. Returns the shard.
+
+    Note [averaging]
+        Inputs are never divided before the reduction: in bf16 or fp16, ``g / world``
+        rounds every rank's gradient once more (and can underflow), and the sum of
+        the rounded parts differs from the mean. Where the backend has it, the mean is
+        taken in the reduction (``ReduceOp.AVG``, NCCL); otherwise (gloo) the sum is
+        reduced and :meth:`Collective.wait` divides this rank's shard (1/world of the
+        bucket, so also fewer elements to divide). The sum of ``world`` values can only
+        overflow where their mean is within a factor ``world`` of the dtype's largest
+        value: possible only in fp16, where the ``16-mixed`` grad scaler then skips the
+        step and lowers its scale.
     """
     if group is None:
         return Collective(bucket, None)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = bucket.chunk(world)[rank]
-    work = _reduce_scatter_single(shard, bucket, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return Collective(shard, work if async_op else None)
+    in_reduction = average and supports_average(group)
+    op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
+    work = _reduce_scatter_single(shard, bucket, op=op, group=group, async_op=async_op)
+    result = Collective(shard, work if async_op else None,
+                        divide_by=world if average and not in_reduction else None)
+    if not async_op:
+        result.wait()
+    return result
 
 
 def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Collective:
@@ -75,6 +106,35 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
     if group is not None:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return tensor
+
+
+_PACK_ALIGN = 16  # bytes: every packed tensor starts where any dtype may be viewed
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, src_rank: int = 0) -> None:
+    """Copies ``tensors`` (any dtypes, one device) from group rank ``src_rank`` to every rank with one collective.
+
+    The tensors' bytes are packed into one ``uint8`` buffer (each at a 16-byte aligned
+    offset), broadcast, and unpacked on the receiving ranks.
+    """
+    if group is None or not tensors:
+        return
+    if len(tensors) == 1 or len({t.device for t in tensors}) > 1:
+        broadcast_tensors(tensors, group, src_rank)
+        return
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+    packed = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    sender = dist.get_rank(group) == src_rank
+    if sender:
+        for t, offset in zip(tensors, offsets):
+            packed[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+    dist.broadcast(packed, src=dist.get_global_rank(group, src_rank), group=group)
+    if not sender:
+        for t, offset in zip(tensors, offsets):
+            t.copy_(packed[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
 
 
 def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup | None, src_rank: int = 0) -> None:

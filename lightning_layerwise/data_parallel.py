@@ -29,6 +29,15 @@ Note [timing communication waits]
     communication that compute did not hide. On CUDA a ``wait()`` only orders
     streams, so host wall time there does not measure exposed communication.
 
+Note [stale reads]
+    Forward pre-hooks wait for the buckets of a module's own parameters. Every
+    other read of a parameter whose bucket is still in flight (a module that is
+    never called, a parent reading ``child.weight``, a hook or ``training_step``
+    code before the forward, a callback between steps) is caught by the read
+    guard, Note [read guard] in ``read_guard.py``: with ``param_read_guard="wait"``
+    (default) it waits for that bucket, with ``"strict"`` it raises, naming the
+    parameter. Either way no read sees a previous step's value.
+
 Note [gradient lifecycle]
     The grad buffer is zeroed lazily by the first forward with grad enabled
     after a step's gradients were handed out (or explicitly by
@@ -43,7 +52,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -56,6 +67,8 @@ from .buffers import FlatBuffer, allocate_buffers, view_of
 from .collectives import Collective
 from .layout import DEFAULT_BUCKET_SIZE, Layout, ParamSpec, newton_schulz_cost, param_specs, plan_layout
 from .process_groups import ProcessGroups
+from .read_guard import READ_GUARDS, ReadGuard, StaleParameterReadError
+from . import read_guard
 
 
 class BucketState(enum.Enum):
@@ -108,6 +121,12 @@ class LayerwiseDataParallel(nn.Module):
             rank 0 at every training forward, as ``DistributedDataParallel`` does.
         cost: optimizer cost per parameter used to balance owners.
         trace: record collective events in :attr:`events` (for tests and debugging).
+        param_read_guard: what a read of a parameter whose all-gather has not landed
+            does when it happens outside its module's forward pre-hook (Note [stale
+            reads]): ``"wait"`` waits for the bucket, ``"strict"`` raises
+            :class:`StaleParameterReadError` naming the parameter and poisons other
+            ranks' shards with NaN until they arrive (a debugging mode), ``"off"``
+            reads whatever the buffer holds (stale; for measurements only).
     """
 
     def __init__(
@@ -122,6 +141,7 @@ class LayerwiseDataParallel(nn.Module):
         broadcast_buffers: bool = True,
         cost: Callable[[ParamSpec], float] = newton_schulz_cost,
         trace: bool = False,
+        param_read_guard: ReadGuard = "wait",
     ) -> None:
         super().__init__()
         if not isinstance(bucket_size, int) or bucket_size <= 0:
@@ -130,7 +150,13 @@ class LayerwiseDataParallel(nn.Module):
         if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an integer >= 1 "
                              "(1 overlaps one bucket's all-gather with the module before it).")
+        if param_read_guard not in READ_GUARDS:
+            raise ValueError(f"param_read_guard={param_read_guard!r}: use 'wait' (reads wait for their all-gather), "
+                             "'strict' (such reads raise, for debugging) or 'off' (stale reads, measurements only).")
         self.module = module
+        self.param_read_guard = param_read_guard
+        self.guarded_reads = 0
+        """Reads that had to wait for their bucket outside a forward pre-hook (Note [stale reads])."""
         self.process_groups = process_groups if process_groups is not None else ProcessGroups.create()
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -175,6 +201,20 @@ class LayerwiseDataParallel(nn.Module):
         self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
         self._owned = {p for p, name in self._param_names.items() if self.layout.params[name].owner == self.dp_rank}
+        self._bucket_by_id = {id(p): b for p, b in self._bucket_of.items()}  # no hashing inside the read guard
+        self._guarded = self.param_read_guard != "off"
+        if self._guarded:
+            unguardable = [n for p, n in self._param_names.items() if not read_guard.can_guard(p)]
+            if unguardable and self.overlap_param_gather:
+                warnings.warn(
+                    f"parameters {unguardable[:3]} are of class {type(named[unguardable[0]]).__name__}, not "
+                    "nn.Parameter, so reads of them outside their module cannot be made to wait for the "
+                    "all-gather; parameters are all-gathered before start_param_sync() returns instead "
+                    "(overlap_param_gather=False).", stacklevel=2)
+                self.overlap_param_gather = False
+            for p in self._param_names:
+                if read_guard.can_guard(p):
+                    read_guard.attach(p, self._on_pending_read)
 
         self._micro_batch_is_last = True
         self._grads_handed_out = False
@@ -232,7 +272,12 @@ class LayerwiseDataParallel(nn.Module):
             self._micro_batch_is_last = previous
 
     def zero_grad_buffer(self) -> None:
-        """Zeros every gradient buffer and drops the gradients handed out by the last sync."""
+        """Zeros every gradient buffer and drops the gradients handed out by the last sync.
+
+        A reduce-scatter still in flight (a step abandoned after its backward) is waited
+        for first: its collective reads and writes the buffer being zeroed.
+        """
+        self._wait_pending_reduces()
         for p in self._param_names:
             p.grad = None
             if hasattr(p, "main_grad"):
@@ -246,6 +291,12 @@ class LayerwiseDataParallel(nn.Module):
         self._next_reduce = 0
         self._grads_handed_out = False
         self._seen.clear()
+
+    def _wait_pending_reduces(self) -> None:
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self._wait(bucket.reduce, "reduce_scatter")
+                bucket.reduce = None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[param]
@@ -279,10 +330,9 @@ class LayerwiseDataParallel(nn.Module):
             self._next_reduce += 1
 
     def _dispatch_reduce(self, bucket: Bucket) -> None:
-        group = self.process_groups.dp
-        if group is not None:
-            bucket.grad_data.div_(self.dp_size)
-        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, group, async_op=True)
+        # Averaged in the reduction or after it, never by dividing inputs first (Note [averaging]).
+        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, self.process_groups.dp, async_op=True,
+                                                          average=True)
         bucket.grads_state = BucketState.REDUCING
         self._trace("rs_dispatch", bucket)
 
@@ -339,20 +389,54 @@ class LayerwiseDataParallel(nn.Module):
         """Starts all-gathering every bucket from each rank's shard of the param buffer.
 
         With ``overlap_param_gather`` the first ``prefetch_depth`` buckets are
-        dispatched now and the rest by forward pre-hooks; with ``force_sync``
-        (or without overlap) everything is gathered before returning.
+        dispatched now and the rest by forward pre-hooks (and by reads, Note
+        [stale reads]); with ``force_sync`` (or without overlap) everything is
+        gathered before returning.
         """
         self.finish_param_sync()  # a previous gather must land before a new one reads the shards
         if self.process_groups.dp_all_gather is None:
             return
+        overlap = self.overlap_param_gather and not force_sync
+        strict = overlap and self.param_read_guard == "strict"
         for bucket in self._buckets:
             bucket.state = BucketState.GATHERING
             bucket.gather = None
+            if overlap and self._guarded:
+                for p in bucket.params:
+                    if read_guard.can_guard(p):
+                        read_guard.mark_pending(p)
+            if strict:
+                self._poison_others_shards(bucket)
         self._next_gather = 0
-        if force_sync or not self.overlap_param_gather:
+        if not overlap:
             self.finish_param_sync()
-        else:
+        elif not strict:  # strict dispatches each gather only when something waits for it
             self._top_up_gathers()
+
+    def _poison_others_shards(self, bucket: Bucket) -> None:
+        """Strict mode: other ranks' shards read NaN until their all-gather lands."""
+        if bucket.param_data.is_floating_point():
+            with torch.no_grad():
+                for rank, shard in enumerate(bucket.param_data.chunk(self.dp_size)):
+                    if rank != self.dp_rank:
+                        shard.fill_(math.nan)
+
+    def _on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
+        """The read guard's callback: makes ``param`` current, or raises in strict mode."""
+        bucket = self._bucket_by_id[id(param)]
+        if bucket.state is BucketState.SYNCED:  # landed in the meantime
+            read_guard.restore(param)
+            return
+        if self.param_read_guard == "strict":
+            raise StaleParameterReadError(
+                f"{self._param_names[param]!r} was read by {read_guard.describe(func)} while its all-gather "
+                f"(bucket {bucket.name}) had not landed, outside the forward pre-hook of the module that holds it. "
+                "With param_read_guard='wait' (the default) this read waits for the bucket and is correct, but "
+                "it may cost overlap: call the module itself, or read parameters after "
+                "strategy.sync_parameters() (wrapper.finish_param_sync())."
+            )
+        self.guarded_reads += 1
+        self._ensure_gathered(bucket)
 
     def finish_param_sync(self) -> None:
         """Dispatches and waits for every outstanding all-gather (before eval, checkpoints, a step)."""
@@ -376,6 +460,8 @@ class LayerwiseDataParallel(nn.Module):
         self._wait(bucket.gather, "all_gather")
         bucket.gather = None
         bucket.state = BucketState.SYNCED
+        for p in bucket.params:
+            read_guard.restore(p)
         self._trace("ag_wait", bucket)
 
     def _top_up_gathers(self) -> None:
@@ -389,7 +475,8 @@ class LayerwiseDataParallel(nn.Module):
                 self._dispatch_next_gather()
             else:
                 self._wait_oldest_gather()
-        self._top_up_gathers()
+        if self.param_read_guard != "strict":
+            self._top_up_gathers()
 
     def _register_forward_pre_hooks(self) -> list:
         handles = []
@@ -423,10 +510,11 @@ class LayerwiseDataParallel(nn.Module):
             collectives.broadcast_tensors(tensors, group)
 
     def _broadcast_module_buffers(self) -> None:
+        """Rank 0's module buffers to every rank, as one collective (every training forward)."""
         buffers = list(self.module.buffers())
         if buffers and self.process_groups.dp is not None:
             with torch.no_grad():
-                collectives.broadcast_tensors(buffers, self.process_groups.dp)
+                collectives.broadcast_coalesced(buffers, self.process_groups.dp)
 
     def _wait(self, collective: collectives.Collective, kind: str) -> None:
         """Waits for ``collective``, timed under ``kind`` if requested (Note [timing communication waits])."""
@@ -452,11 +540,13 @@ class LayerwiseDataParallel(nn.Module):
         ``DistributedDataParallel``) and the flat buffers are freed.
         """
         self.finish_param_sync()
+        self._wait_pending_reduces()  # no collective may still read or write the buffers freed below
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
         with torch.no_grad():
             for p in self._param_names:
+                read_guard.detach(p)
                 p.data = p.data.clone()
                 p.grad = None
                 if hasattr(p, "main_grad"):

@@ -1,4 +1,4 @@
-"""Precision-plugin adaptations for sharded gradients.
+"""Precision plugins for sharded gradients, owned by the strategy.
 
 Lightning's precision plugins clip and unscale the gradients of the
 optimizer's parameters. Under the layer-wise strategy each rank only holds the
@@ -6,67 +6,113 @@ gradients it owns, so two things must become collective:
 
 * clipping by norm uses the norm of the *full* gradient (one all-reduce of the
   owned shards' sum of squares), and clipping by value acts on owned gradients;
-* a ``16-mixed`` grad scaler's "found inf" is agreed across ranks (all-reduce
-  MAX) right after unscaling, so every rank skips the same steps and keeps the
-  same loss scale.
+* a ``16-mixed`` grad scaler's "found inf" is agreed across ranks, so every rank
+  skips the same steps and keeps the same loss scale. torch's public
+  :class:`~torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler` does exactly
+  that (an all-reduce of found-inf over the group it is given, and a verdict also for
+  a rank that owns no gradient); the strategy gives it the data-parallel group.
 
-:func:`adapt_precision_plugin` installs both on the plugin instance the
-Trainer built, leaving its class and every other behaviour as they are.
+:func:`layerwise_precision` builds, from the plugin the Trainer chose, the
+strategy's own plugin of the same kind (:class:`LayerwisePrecision`,
+:class:`LayerwiseMixedPrecision`, :class:`LayerwiseHalfPrecision`,
+:class:`LayerwiseDoublePrecision`): the same precision behaviour, with the clipping
+above and, for ``16-mixed``, a sharded grad scaler that continues the original
+scaler's state. The user's plugin object is left as it was.
 """
 
 from __future__ import annotations
 
-import types
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from . import collectives
 from .clip import clip_grad_norm_, clip_grad_value_
 
 if TYPE_CHECKING:
     from .strategy import LayerwiseStrategy
 
 
-def adapt_precision_plugin(plugin, strategy: "LayerwiseStrategy") -> None:
-    """Makes ``plugin``'s clipping global across shards and its grad scaler agree on infs."""
-    if getattr(plugin, "_layerwise_adapted", False):
-        return
+class _ShardedClipping:
+    """Clipping of the gradient spread over the ranks' owned shards (mixin for a Precision plugin)."""
 
-    def clip_grad_by_norm(self, optimizer, clip_val):
-        clip_grad_norm_(strategy.wrapper, clip_val)
+    _strategy_ref: Optional[weakref.ReferenceType] = None
 
-    def clip_grad_by_value(self, optimizer, clip_val):
-        clip_grad_value_(strategy.wrapper, clip_val)
-
-    plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
-    plugin.clip_grad_by_value = types.MethodType(clip_grad_by_value, plugin)
-    scaler = getattr(plugin, "scaler", None)
-    if scaler is not None:
-        agree_on_found_inf(scaler, strategy)
-    plugin._layerwise_adapted = True
-
-
-def agree_on_found_inf(scaler: torch.amp.GradScaler, strategy: "LayerwiseStrategy") -> None:
-    """Wraps ``scaler.unscale_`` so the inf check it records is the maximum over ranks."""
-    unscale = scaler.unscale_
-
-    def unscale_agreed(optimizer):
-        unscale(optimizer)
-        wrapper = strategy.wrapper
+    def _wrapper(self):
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
+        wrapper = strategy.wrapper if strategy is not None else None
         if wrapper is None:
-            return
-        state = scaler._per_optimizer_states[id(optimizer)]
-        found = state["found_inf_per_device"]
-        device = strategy.root_device
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-        for value in found.values():
-            total += value.to(device)
-        collectives.all_reduce_max(total, wrapper.process_groups.dp)
-        # A rank that owns no gradient recorded nothing; give it the agreed verdict too.
-        state["found_inf_per_device"] = {device: total}
+            raise RuntimeError("gradient clipping under strategy='layerwise' needs the model wrapped for fitting "
+                               "(LayerwiseStrategy.setup has not run or teardown already has).")
+        return wrapper
 
-    scaler.unscale_ = unscale_agreed
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_norm_(self._wrapper(), clip_val)
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        clip_grad_value_(self._wrapper(), clip_val)
+
+
+class LayerwisePrecision(_ShardedClipping, Precision):
+    """``32-true`` (and ``64-true`` through :class:`LayerwiseDoublePrecision`) with global clipping."""
+
+
+class LayerwiseDoublePrecision(_ShardedClipping, DoublePrecision):
+    """``64-true`` with global clipping."""
+
+
+class LayerwiseHalfPrecision(_ShardedClipping, HalfPrecision):
+    """``bf16-true`` / ``16-true`` with global clipping (master weights: :class:`MasterWeights`)."""
+
+
+class LayerwiseMixedPrecision(_ShardedClipping, MixedPrecision):
+    """``bf16-mixed`` / ``16-mixed`` with global clipping and a sharded grad scaler."""
+
+
+SUPPORTED_PRECISION = (Precision, DoublePrecision, HalfPrecision, MixedPrecision, LayerwisePrecision,
+                       LayerwiseDoublePrecision, LayerwiseHalfPrecision, LayerwiseMixedPrecision)
+"""Plugin classes the strategy accepts (exact types: a subclass may change what clipping must do)."""
+
+
+def sharded_grad_scaler(scaler: torch.amp.GradScaler, device: str, group: ProcessGroup) -> ShardedGradScaler:
+    """A :class:`ShardedGradScaler` over ``group`` that continues ``scaler``'s state (scale, growth tracker)."""
+    state = scaler.state_dict()
+    sharded = ShardedGradScaler(device=device, init_scale=state.get("scale", 2.0**16),
+                                growth_factor=state.get("growth_factor", 2.0),
+                                backoff_factor=state.get("backoff_factor", 0.5),
+                                growth_interval=state.get("growth_interval", 2000),
+                                enabled=scaler.is_enabled(), process_group=group)
+    if state:
+        sharded.load_state_dict(state)
+    return sharded
+
+
+def layerwise_precision(plugin: Precision, strategy: "LayerwiseStrategy", group: Optional[ProcessGroup]) -> Precision:
+    """The strategy's plugin for ``plugin``: the same precision, with clipping and inf checks across shards.
+
+    ``group`` is the data-parallel group (``None`` on one process: no agreement needed).
+    Raises ``ValueError`` for a plugin kind the layer-wise strategy does not support.
+    """
+    kind = type(plugin)
+    if kind in (MixedPrecision, LayerwiseMixedPrecision):
+        # A new scaler each fit: the group it agrees over is this fit's (the last fit's is destroyed).
+        scaler: Any = plugin.scaler
+        if scaler is not None and group is not None:
+            scaler = sharded_grad_scaler(scaler, plugin.device, group)
+        new: Precision = LayerwiseMixedPrecision(plugin.precision, plugin.device, scaler=scaler)
+    elif kind in (HalfPrecision, LayerwiseHalfPrecision):
+        new = LayerwiseHalfPrecision(plugin.precision)
+    elif kind in (DoublePrecision, LayerwiseDoublePrecision):
+        new = LayerwiseDoublePrecision()
+    elif kind in (Precision, LayerwisePrecision):
+        new = LayerwisePrecision()
+    else:  # the strategy's precision_plugin setter rejects every other kind at Trainer construction
+        raise ValueError(f"strategy='layerwise' does not support the precision plugin {kind.__name__}.")
+    new._strategy_ref = weakref.ref(strategy)
+    return new
 
 
 class MasterWeights:

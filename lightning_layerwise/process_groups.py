@@ -43,6 +43,18 @@ class ProcessGroups:
     def separate_all_gather(self) -> bool:
         return self.dp_all_gather is not None and self.dp_all_gather is not self.dp
 
+    def destroy(self) -> None:
+        """Destroys the groups (each once), so no communicator or thread outlives its training run.
+
+        For groups made by :meth:`create`; the caller must not use them afterwards.
+        Every rank calls it after its last collective on them.
+        """
+        seen = []
+        for group in (self.dp_all_gather, self.dp, self.expert_dp_all_gather, self.expert_dp):
+            if group is not None and all(group is not g for g in seen) and dist.is_initialized():
+                seen.append(group)
+                dist.destroy_process_group(group)
+
     @classmethod
     def single(cls) -> "ProcessGroups":
         """No communication: the wrapper behaves like a plain module on one process."""

@@ -9,7 +9,8 @@ rest is a handful of hook overrides that call into the engine:
 * end of backward on the last micro-batch: ``finish_grad_sync`` (owned params get
   the reduced gradient, the others none);
 * gradient clipping by norm uses the global norm across shards, and a ``16-mixed``
-  grad scaler agrees on "found inf" across ranks (``precision.py``);
+  grad scaler agrees on "found inf" across ranks: the strategy's own precision
+  plugin (``precision.py``);
 * after ``optimizer.step``: ``start_param_sync`` (async all-gather, awaited by the
   next forward's pre-hooks);
 * before evaluation, checkpointing and teardown: ``finish_param_sync``;
@@ -54,8 +55,10 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE
-from .precision import MasterWeights, adapt_precision_plugin
+from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
+from .precision import MasterWeights, layerwise_precision
 from .process_groups import ProcessGroups
+from .read_guard import READ_GUARDS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,15 +77,21 @@ class LayerwiseStrategy(DDPStrategy):
             as its gradients are complete.
         overlap_param_gather: all-gather parameters asynchronously after
             ``optimizer.step``, each bucket awaited by a forward pre-hook just before its
-            first module runs. ``"auto"`` (default) overlaps unless something reads
-            parameters between steps (a callback outside Lightning's progress bars,
-            checkpointing, LR monitor, model summary, timer and early stopping, or the
-            LightningModule itself, overriding ``on_train_batch_end`` /
-            ``on_train_epoch_end``), or the model is ``torch.compile``d (compiled
-            graphs may skip the pre-hooks); then the all-gather completes inside the
-            step. ``True`` always overlaps: code between steps may then see other
-            ranks' parameters from the previous step until it calls
-            :meth:`sync_parameters`. ``False`` never overlaps.
+            first module runs, and by any other read of its parameters (see
+            ``param_read_guard``). ``"auto"`` (default) overlaps unless the model is
+            ``torch.compile``d (compiled graphs may skip the pre-hooks) or, with
+            ``param_read_guard="off"``, something reads parameters between steps; then
+            the all-gather completes inside the step. ``True`` always overlaps;
+            ``False`` never does.
+        param_read_guard: a read of a parameter whose all-gather has not landed, made
+            outside the forward pre-hook of the module holding it (``nn.MultiheadAttention``
+            reading ``out_proj.weight``, ``F.linear(x, child.weight)``, a parametrization,
+            code in ``training_step`` or a hook before the forward, a callback between
+            steps): ``"wait"`` (default) waits for that bucket, so every read sees this
+            step's value; ``"strict"`` raises :class:`StaleParameterReadError` naming the
+            parameter, and fills other ranks' shards with NaN until they arrive (a
+            debugging mode that finds reads costing overlap); ``"off"`` lets such reads
+            see stale values (for measurements).
         prefetch_depth: buckets whose all-gather may be in flight at once.
         separate_all_gather_group: run all-gathers on their own process group so they
             can overlap reduce-scatters.
@@ -109,6 +118,7 @@ class LayerwiseStrategy(DDPStrategy):
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         overlap_grad_reduce: bool = True,
         overlap_param_gather: Union[bool, Literal["auto"]] = "auto",
+        param_read_guard: Literal["wait", "strict", "off"] = "wait",
         prefetch_depth: int = 2,
         separate_all_gather_group: bool = True,
         grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
@@ -129,6 +139,10 @@ class LayerwiseStrategy(DDPStrategy):
         if overlap_param_gather not in (True, False, "auto"):
             raise ValueError(f"LayerwiseStrategy(overlap_param_gather={overlap_param_gather!r}): use True, False "
                              "or 'auto'.")
+        if param_read_guard not in READ_GUARDS:
+            raise ValueError(f"LayerwiseStrategy(param_read_guard={param_read_guard!r}): use 'wait' (reads wait for "
+                             "their all-gather), 'strict' (such reads raise, for debugging) or 'off' (stale reads, "
+                             "for measurements only).")
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ValueError(f"LayerwiseStrategy(prefetch_depth={prefetch_depth!r}): pass an integer >= 1.")
         if grad_reduce_dtype is not None and grad_reduce_dtype not in _DTYPES:
@@ -153,6 +167,7 @@ class LayerwiseStrategy(DDPStrategy):
         self.bucket_size = bucket_size
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
+        self.param_read_guard = param_read_guard
         self.prefetch_depth = prefetch_depth
         self.separate_all_gather_group = separate_all_gather_group
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -162,6 +177,7 @@ class LayerwiseStrategy(DDPStrategy):
         # parameter (or master weight) -> name, for checkpoints keyed by name; kept after teardown
         self._names: dict[torch.Tensor, str] = {}
         self._sync_after_step = False  # complete the all-gather inside optimizer_step (see setup)
+        self._groups: Optional[ProcessGroups] = None  # created by configure_ddp, destroyed by teardown
 
     # --- accelerators ----------------------------------------------------------------
     @property
@@ -179,6 +195,23 @@ class LayerwiseStrategy(DDPStrategy):
             )
         self._accelerator = accelerator
 
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
+        # Checked when the Trainer is built, before any process starts.
+        if precision_plugin is not None and type(precision_plugin) not in _SUPPORTED_PRECISION:
+            raise ValueError(
+                f"strategy='layerwise' does not support the precision plugin {type(precision_plugin).__name__}: "
+                "gradients are sharded across ranks, so clipping and inf checks must be made across shards. Use "
+                "precision='32-true', '64-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
+            )
+        self._precision_plugin = precision_plugin
+
     # --- wrapping --------------------------------------------------------------------
     @property
     def wrapper(self) -> Optional[LayerwiseDataParallel]:
@@ -190,6 +223,7 @@ class LayerwiseStrategy(DDPStrategy):
             separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
             timeout=self._timeout,
         )
+        self._groups = groups
         self.model = LayerwiseDataParallel(
             self.model,
             process_groups=groups,
@@ -199,6 +233,7 @@ class LayerwiseStrategy(DDPStrategy):
             prefetch_depth=self.prefetch_depth,
             grad_reduce_dtype=self._grad_reduce_dtype(),
             broadcast_buffers=self.broadcast_buffers,
+            param_read_guard=self.param_read_guard,
         )
 
     def _half_true(self) -> bool:
@@ -215,16 +250,23 @@ class LayerwiseStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_optimizers()
-            adapt_precision_plugin(self.precision_plugin, self)
             if self._half_true() and self.optimizers:
                 self._masters = MasterWeights(self.wrapper, self.optimizers[0])
             self._names = _parameter_names(self.lightning_module, self._masters)
             self._sync_after_step = self._needs_sync_after_step(trainer)
 
+    @override
+    def setup_precision_plugin(self) -> None:
+        # Fitting: the strategy's own plugin of the same kind, clipping across shards and (16-mixed) a
+        # grad scaler that agrees on infs over the data-parallel group (precision.py).
+        if self.wrapper is not None:
+            self.precision_plugin = layerwise_precision(self.precision_plugin, self, self.wrapper.process_groups.dp)
+        super().setup_precision_plugin()
+
     def _needs_sync_after_step(self, trainer) -> bool:
         """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
         if self.overlap_param_gather == "auto":
-            readers = _parameter_readers(trainer)
+            readers = _parameter_readers(trainer) if self.param_read_guard == "off" else []
             if readers:
                 rank_zero_info(f"LayerwiseStrategy: {', '.join(readers)} run between optimizer steps, so "
                                "parameters are all-gathered inside each step (pass overlap_param_gather=True "
@@ -415,7 +457,7 @@ class LayerwiseStrategy(DDPStrategy):
                 # owned optimizer state), not the whole optimizer state. Owned state is copied out
                 # of the mapping in load_optimizer_state_dict.
                 return torch.load(path, map_location="cpu", mmap=True,
-                                  weights_only=False if weights_only is None else weights_only)
+                                  weights_only=True if weights_only is None else weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     def _load_sharded(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -458,7 +500,7 @@ class LayerwiseStrategy(DDPStrategy):
                     entries[item_path] = ckpt.empty_like_item(item)
         state = ckpt.nest(entries)
         with torch.no_grad():
-            ckpt.load_sharded(path, state)
+            ckpt.load_sharded(path, state, weights_only=weights_only)
         self._after_model_load()
         if fitting and self.optimizers:
             meta["optimizer_states"] = [state[ckpt.optimizer_key(i)] for i in range(len(self.optimizers))]
@@ -516,6 +558,11 @@ class LayerwiseStrategy(DDPStrategy):
             wrapper.release()
             self.model = self.lightning_module
             self._masters = None
+        if self._groups is not None:
+            # Communicators (and gloo's threads) made for this fit end with it: none outlives the
+            # run or reaches interpreter exit (where a live one can abort the process).
+            self._groups.destroy()
+            self._groups = None
         super().teardown()
 
     @classmethod

@@ -216,4 +216,8 @@ def test_every_trainable_parameter_is_in_exactly_one_group(kinds, tie, frozen):
             assert all(p.ndim >= 2 for p in g["params"])
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     assert not any(id(p) in embeddings for g in groups if g["use_muon"] for p in g["params"])
-    Muon(groups)  # and the optimizer accepts them
+    if flat:
+        Muon(groups)  # and the optimizer accepts them
+    else:  # every parameter frozen: nothing to optimize, as torch's own optimizers say
+        with pytest.raises(ValueError, match="empty parameter list"):
+            Muon(groups)

@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.plugins import MixedPrecision, Precision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -127,7 +127,7 @@ def _inf_worker(rank, world):
 
     class Spy(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            scales.append(precision.scaler.get_scale())
+            scales.append(trainer.precision_plugin.scaler.get_scale())
             if batch_idx == 0:
                 spy.after_first = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
@@ -135,6 +135,14 @@ def _inf_worker(rank, world):
     trainer.callbacks.append(spy)
     trainer.fit(model, train)
     unchanged = all(torch.equal(spy.after_first[n], initial[n]) for n in initial)
+    # The strategy's own plugin with torch's public sharded scaler; the user's plugin object is untouched.
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    assert isinstance(trainer.precision_plugin, llw.precision.LayerwiseMixedPrecision)
+    assert type(trainer.precision_plugin.scaler) is ShardedGradScaler
+    assert trainer.precision_plugin is not precision and not set(vars(precision)) & {"clip_grad_by_norm",
+                                                                                   "clip_grad_by_value"}
+    assert type(precision.scaler) is torch.amp.GradScaler and precision.scaler.get_scale() == 2.0**16
     return unchanged, scales
 
 
@@ -334,3 +342,37 @@ def test_bf16_true_keeps_float32_masters_for_owned_parameters_only():
             assert rel_err(value, ref[n]) <= 1e-6, (n, rel_err(value, ref[n]))
     for n in results[0][0]:
         assert torch.equal(results[0][0][n], results[1][0][n])
+
+
+def _live_groups() -> int:
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
+def _repeated_fit_worker(rank, world, fits):
+    counts = [_live_groups()]
+    for _ in range(fits):
+        fit("layerwise", {"optimizer": "muon"}, {})
+        counts.append(_live_groups())
+    return counts
+
+
+@pytest.mark.slow
+def test_fits_in_one_process_leave_no_process_groups_behind():
+    """Each fit creates its reduce-scatter and all-gather groups and destroys them at teardown.
+
+    Before, five fits left ten live groups (and gloo threads) behind; one alive at interpreter exit
+    could abort the process after a successful fit ("terminate called without an active exception").
+    """
+    for counts in run_distributed(_repeated_fit_worker, WORLD, 5):
+        assert counts == [counts[0]] * 6, counts
+
+
+class CustomPrecision(Precision):
+    """A plugin kind the strategy cannot know how to clip across shards."""
+
+
+def test_unsupported_precision_plugin_is_rejected_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"does not support the precision plugin CustomPrecision.*precision='32-true'"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=llw.LayerwiseStrategy(), plugins=[CustomPrecision()])

@@ -1,0 +1,187 @@
+"""What the read guard costs, and how much all-gather it still hides (Note [read guard]).
+
+Run (2 gloo ranks on CPU, about 2 minutes)::
+
+    .venv/bin/python benchmarks/bench_read_guard.py
+    .venv/bin/python benchmarks/bench_read_guard.py --quick        # seconds, for a smoke test
+
+For each model, the same 2-rank training loop (wrapper protocol: forward, backward,
+``finish_grad_sync``, ``optimizer.step``, ``start_param_sync``) runs under
+
+* ``wait``: the default guard: reads outside a module's pre-hook wait for their bucket;
+* ``off``: the guard removed (stale reads possible: the behaviour before the guard);
+* ``no_overlap``: ``overlap_param_gather=False``: the all-gather completes inside the step.
+
+Configurations are interleaved, ``--repeats`` times each, and every number is a median
+over repeats of the per-run median step. Per configuration it reports the step time,
+its ratio to ``off``, the all-gather time the forward was blocked on (the wrapper's
+``comm_wait_seconds["all_gather"]``, Note [timing communication waits]), how many
+reads waited through the guard per step, and whether the final parameters equal the
+``no_overlap`` run (the reference: no overlap, nothing stale).
+
+Models: the example GPT (calls every module it uses: the guard never fires) and
+``lightning.pytorch.demos.Transformer`` (``nn.MultiheadAttention`` reads
+``out_proj.weight`` without calling ``out_proj``: the guard fires).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
+
+import lightning_layerwise as llw  # noqa: E402
+
+CONFIGS = {
+    "wait": {"param_read_guard": "wait"},
+    "off": {"param_read_guard": "off"},
+    "no_overlap": {"overlap_param_gather": False},
+}
+
+
+def build(model_name: str, quick: bool):
+    torch.manual_seed(0)
+    if model_name == "example_gpt":
+        from gpt import GPT, GPTConfig
+
+        cfg = GPTConfig(n_layer=2, n_embd=64, block_size=64) if quick else GPTConfig()
+        model = GPT(cfg)
+
+        def batch(g, per_rank):
+            idx = torch.randint(0, cfg.vocab_size, (per_rank, cfg.block_size + 1), generator=g)
+            return (idx[:, :-1], idx[:, 1:]), None
+
+        def loss(model, inputs, _):
+            return model(*inputs)[1]
+
+        return model, batch, loss, 50_000 if quick else 200_000
+    from lightning.pytorch.demos import Transformer
+
+    # Buckets small enough that 5 of the 8 attention layers' out_proj lie in a later bucket than their
+    # in_proj (at 200_000 elements none does): the guard has reads to wait for.
+
+    ninp = 64 if quick else 128
+    model = Transformer(vocab_size=96, ninp=ninp, nhead=4, nhid=2 * ninp, nlayers=2, dropout=0.0)
+
+    def batch(g, per_rank):
+        tokens = torch.randint(0, 96, (per_rank, 64 if quick else 128), generator=g)
+        return (tokens, (tokens * 5 + 1) % 96), (tokens * 5 + 2) % 96
+
+    def loss(model, inputs, target):
+        return F.nll_loss(model(*inputs), target.reshape(-1))
+
+    return model, batch, loss, 20_000 if quick else 100_000
+
+
+def run_config(rank: int, world: int, model_name: str, config: str, steps: int, warmup: int, quick: bool) -> dict:
+    model, make_batch, loss_fn, bucket_size = build(model_name, quick)
+    wrapper = llw.LayerwiseDataParallel(model, bucket_size=bucket_size, **CONFIGS[config])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    per_rank = 4 if quick else 16
+    times, waits, guarded = [], [], []
+    for step in range(warmup + steps):
+        inputs, target = make_batch(g, per_rank)
+        wrapper.comm_wait_seconds = {}
+        before = wrapper.guarded_reads
+        t0 = time.perf_counter()
+        loss_fn(wrapper, inputs, target).backward()
+        wrapper.finish_grad_sync()
+        optimizer.step()
+        wrapper.start_param_sync()
+        elapsed = time.perf_counter() - t0
+        if step >= warmup:
+            times.append(elapsed)
+            waits.append(wrapper.comm_wait_seconds.get("all_gather", 0.0))
+            guarded.append(wrapper.guarded_reads - before)
+    wrapper.finish_param_sync()
+    checksum = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    n_buckets = len(wrapper.buckets)
+    wrapper.release()
+    return {"step_ms": 1e3 * statistics.median(times), "all_gather_wait_ms": 1e3 * statistics.median(waits),
+            "guarded_reads_per_step": statistics.median(guarded), "params": checksum, "buckets": n_buckets}
+
+
+def _worker(rank: int, world: int, port: int, outdir: str, jobs: list, steps: int, warmup: int, quick: bool) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    results = [run_config(rank, world, m, c, steps, warmup, quick) for m, c in jobs]
+    if rank == 0:
+        torch.save(results, os.path.join(outdir, "results.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models and few steps (a smoke test)")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved runs of every configuration")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "read_guard_cpu.json"))
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 5)
+    steps = args.steps or (3 if args.quick else 15)
+    models = ["example_gpt", "demo_transformer"]
+    jobs = [(m, c) for _ in range(repeats) for m in models for c in CONFIGS]  # interleaved
+    world = 2
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(_worker, args=(world, free_port(), outdir, jobs, steps, 2, args.quick), nprocs=world,
+                           start_method="spawn")
+        results = torch.load(os.path.join(outdir, "results.pt"), weights_only=False)
+    rows = {}
+    for (model, config), result in zip(jobs, results):
+        rows.setdefault((model, config), []).append(result)
+    table = []
+    for model in models:
+        reference = rows[(model, "no_overlap")][0]["params"]
+        off_ms = statistics.median(r["step_ms"] for r in rows[(model, "off")])
+        for config in CONFIGS:
+            runs = rows[(model, config)]
+            step_ms = statistics.median(r["step_ms"] for r in runs)
+            worst = max(((r["params"] - reference).norm() / reference.norm()).item() for r in runs)
+            table.append({
+                "model": model, "config": config, "buckets": runs[0]["buckets"], "step_ms_median": step_ms,
+                "step_vs_off": step_ms / off_ms,
+                "all_gather_wait_ms_median": statistics.median(r["all_gather_wait_ms"] for r in runs),
+                "guarded_reads_per_step": statistics.median(r["guarded_reads_per_step"] for r in runs),
+                "max_rel_err_vs_no_overlap": worst, "runs": len(runs),
+            })
+    print(f"\n2 gloo ranks, {steps} steps x {repeats} interleaved runs, medians (torch {torch.__version__})\n")
+    print("| model | config | buckets | step ms | vs off | all-gather wait ms | guarded reads/step | "
+          "rel err vs no_overlap |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        print(f"| {r['model']} | {r['config']} | {r['buckets']} | {r['step_ms_median']:.1f} | "
+              f"{r['step_vs_off']:.3f} | {r['all_gather_wait_ms_median']:.2f} | "
+              f"{r['guarded_reads_per_step']:.0f} | {r['max_rel_err_vs_no_overlap']:.1e} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"world": world, "steps": steps, "repeats": repeats, "quick": args.quick,
+                               "torch": torch.__version__, "rows": table}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
