@@ -58,6 +58,16 @@ Note [weights_only]
     classes, ``torch.Size``, dtypes, layouts and paths (:func:`read_dcp_index`).
     A refused object raises :class:`CheckpointError` naming its class.
 
+Note [checkpoint ownership]
+    Which entries a rank writes and reads follows from the layout alone, described
+    by an :class:`Ownership`: a parameter in the layout is written and read by its
+    owner only (its optimizer state and float32 master with it); everything else
+    (buffers, frozen parameters, the param groups) is written by rank 0 and read by
+    every rank. Without a wrapper (evaluation before any fit) a rank owns everything.
+    The strategy builds one from the wrapper and hands it to
+    :func:`model_entries_to_write`, :func:`read_sharded_checkpoint` and
+    :func:`local_optimizer_state`; nothing here knows of Lightning's loops.
+
 Note [atomic save]
     A checkpoint is written aside (``.NAME.partial``) and renamed into place when
     complete, so a process killed while saving leaves the previous checkpoint
@@ -78,8 +88,9 @@ import pickle
 import re
 import shutil
 from itertools import chain
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,6 +100,46 @@ FORMAT_VERSION = 1
 META_FILENAME = "meta.pt"  # the name Lightning's sharded checkpoints and consolidate_checkpoint use
 DCP_METADATA_FILENAME = ".metadata"
 MODEL_KEY = "model"
+
+
+@dataclass(frozen=True)
+class Ownership:
+    """What this rank writes to and reads from a checkpoint; see Note [checkpoint ownership]."""
+
+    sharded: frozenset
+    """Tensors in the layout: each written and read by its owner only."""
+    owned: frozenset
+    """The tensors this rank owns: its sharded parameters and their float32 masters."""
+    owned_names: frozenset
+    """Names of the owned parameters (optimizer state and masters are keyed by them)."""
+    writes_shared: bool
+    """Whether this rank writes what lies outside the layout (rank 0)."""
+
+    @classmethod
+    def of(cls, wrapper, names: Mapping[torch.Tensor, str], is_global_zero: bool,
+           masters: Iterable[torch.Tensor] = ()) -> "Ownership":
+        """From a :class:`~lightning_layerwise.LayerwiseDataParallel` (``None``: this rank owns everything)."""
+        if wrapper is None:
+            return cls(frozenset(), frozenset(names), frozenset(names.values()), is_global_zero)
+        owned = list(wrapper.owned_parameters())
+        return cls(frozenset(p for p, _ in wrapper.named_parameters_in_layout()), frozenset(owned + list(masters)),
+                   frozenset(name for name, _ in wrapper.named_owned_parameters()), is_global_zero)
+
+    def writes(self, tensor: Optional[torch.Tensor]) -> bool:
+        return tensor in self.owned if tensor in self.sharded else self.writes_shared
+
+    def reads(self, tensor: torch.Tensor) -> bool:
+        """Model entries and optimizer state this rank keeps: the owned ones and everything shared."""
+        return tensor not in self.sharded or tensor in self.owned
+
+
+def model_entries_to_write(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                           ownership: Ownership) -> dict[str, Any]:
+    """The entries of ``state_dict`` this rank writes to a sharded checkpoint.
+
+    ``tensors`` is ``module.state_dict(keep_vars=True)``: the live tensor of each key.
+    """
+    return {key: value for key, value in state_dict.items() if ownership.writes(tensors.get(key))}
 
 
 def optimizer_key(index: int) -> str:
@@ -312,7 +363,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def commit(written: Path, path: Path) -> None:
-    """Moves the complete checkpoint ``written`` to ``path``, replacing what was there (Note [atomic save])."""
+    """Moves the complete checkpoint ``written`` to ``path``, replacing what was there (Note [checkpoint ownership]
+    Which entries a rank writes and reads follows from the layout alone, described
+    by an :class:`Ownership`: a parameter in the layout is written and read by its
+    owner only (its optimizer state and float32 master with it); everything else
+    (buffers, frozen parameters, the param groups) is written by rank 0 and read by
+    every rank. Without a wrapper (evaluation before any fit) a rank owns everything.
+    The strategy builds one from the wrapper and hands it to
+    :func:`model_entries_to_write`, :func:`read_sharded_checkpoint` and
+    :func:`local_optimizer_state`; nothing here knows of Lightning's loops.
+
+Note [atomic save])."""
     if written.is_file():
         with open(written, "rb") as f:
             os.fsync(f.fileno())
@@ -520,6 +581,50 @@ def nest(entries: Mapping[tuple, Any]) -> dict[str, Any]:
                 node.append(None)
         node[path[-1]] = leaf
     return root
+
+
+def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], ownership: Ownership,
+                            n_optimizers: int, strict: bool, model_name: str,
+                            weights_only: Optional[bool] = None) -> tuple[dict[str, Any], Optional[list]]:
+    """Reads this rank's part of a sharded checkpoint into ``tensors`` (in place) and returns what else it holds.
+
+    ``tensors`` is ``module.state_dict(keep_vars=True)``; each rank reads the model
+    entries it owns or shares (the caller all-gathers the rest). With
+    ``n_optimizers > 0`` (fitting) it also reads the owned optimizer state and the
+    param groups of that many optimizers. Returns Lightning's meta dict and the
+    optimizer states in named form (``None`` without optimizers). Collective.
+    """
+    meta, metadata = read_sharded_metadata(path, weights_only)
+    items = checkpoint_items(metadata)
+    saved_keys = {p[1] for p in items if p[0] == MODEL_KEY and len(p) == 2}
+    if strict:
+        missing, unexpected = sorted(set(tensors) - saved_keys), sorted(saved_keys - set(tensors))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"sharded checkpoint {str(path)!r} does not match {model_name}: missing keys {missing[:10]}, "
+                f"unexpected keys {unexpected[:10]}. Set `strict_loading = False` on the LightningModule to load "
+                "the keys that match.")
+    entries: dict[tuple, Any] = {(MODEL_KEY, key): tensor.detach() for key, tensor in tensors.items()
+                                 if key in saved_keys and ownership.reads(tensor)}
+    if n_optimizers:
+        saved_optimizers = len({p[0] for p in items if p[0].startswith("optimizer_")})
+        if saved_optimizers != n_optimizers:
+            raise CheckpointError(
+                f"sharded checkpoint {str(path)!r} holds {saved_optimizers} optimizer state(s) and the model "
+                f"configures {n_optimizers}; it was saved without optimizer state "
+                "(ModelCheckpoint(save_weights_only=True)?) or for another set of optimizers.")
+        for item_path, item in items.items():
+            if not item_path[0].startswith("optimizer_"):
+                continue
+            part = item_path[1] if len(item_path) > 1 else None
+            if part == "param_groups" or (part in ("state", "master_weights")
+                                          and item_path[2] in ownership.owned_names):
+                entries[item_path] = empty_like_item(item)
+    state = nest(entries)
+    with torch.no_grad():
+        load_sharded(path, state, weights_only=weights_only)
+    optimizer_states = [state[optimizer_key(i)] for i in range(n_optimizers)] if n_optimizers else None
+    return meta, optimizer_states
 
 
 def load_sharded(path: Path, state: dict[str, Any], group=None, weights_only: Optional[bool] = None) -> None:

@@ -238,6 +238,10 @@ class LayerwiseDataParallel(nn.Module):
     def named_owned_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return ((n, p) for p, n in self._param_names.items() if p in self._owned)
 
+    def named_parameters_in_layout(self) -> Iterator[tuple[nn.Parameter, str]]:
+        """Every parameter the layout places (the trainable ones), with its name; each has one owner."""
+        return iter(self._param_names.items())
+
     @property
     def buckets(self) -> list[Bucket]:
         return list(self._buckets)

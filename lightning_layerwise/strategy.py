@@ -409,7 +409,9 @@ class LayerwiseStrategy(DDPStrategy):
             raise ValueError(f"LayerwiseStrategy(checkpoint_format='sharded') writes to a local or mounted "
                              f"filesystem, not {str(filepath)!r}; use checkpoint_format='full' for remote storage.")
         checkpoint = dict(checkpoint)
-        state: dict[str, Any] = {ckpt.MODEL_KEY: self._owned_model_entries(checkpoint.pop("state_dict"))}
+        tensors = self.lightning_module.state_dict(keep_vars=True)
+        state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(checkpoint.pop("state_dict"), tensors,
+                                                                             self._ownership())}
         for index, named in enumerate(checkpoint.pop("optimizer_states", [])):
             named = dict(named)
             if not self.is_global_zero:
@@ -419,17 +421,11 @@ class LayerwiseStrategy(DDPStrategy):
                                    "world_size": self.world_size, "bucket_size": self.bucket_size}
         ckpt.save_sharded(path, state, checkpoint if self.is_global_zero else None)
 
-    def _owned_model_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The model entries this rank writes: the parameters it owns, and on rank 0 everything else."""
-        wrapper = self.wrapper
-        tensors = self.lightning_module.state_dict(keep_vars=True)
-        entries = {}
-        for key, value in state_dict.items():
-            tensor = tensors.get(key)
-            in_layout = wrapper is not None and tensor in wrapper._param_names
-            if (wrapper.owns(tensor) if in_layout else self.is_global_zero):
-                entries[key] = value
-        return entries
+    def _ownership(self) -> ckpt.Ownership:
+        """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in checkpoint.py)."""
+        names = self._names or _parameter_names(self.lightning_module, self._masters)
+        masters = [m for _, m in self._masters.pairs] if self._masters is not None else []
+        return ckpt.Ownership.of(self.wrapper, names, self.is_global_zero, masters)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -462,55 +458,16 @@ class LayerwiseStrategy(DDPStrategy):
 
     def _load_sharded(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         """Reads the owned parameters and owned optimizer state; all-gathers the parameters (collective)."""
-        meta, metadata = ckpt.read_sharded_metadata(path, weights_only)
-        items = ckpt.checkpoint_items(metadata)
-        wrapper = self.wrapper
         module = self.lightning_module
-        tensors = module.state_dict(keep_vars=True)
-        saved_keys = {p[1] for p in items if p[0] == ckpt.MODEL_KEY and len(p) == 2}
-        if module.strict_loading:
-            missing = sorted(set(tensors) - saved_keys)
-            unexpected = sorted(saved_keys - set(tensors))
-            if missing or unexpected:
-                raise ckpt.CheckpointError(
-                    f"sharded checkpoint {str(path)!r} does not match {type(module).__name__}: missing keys "
-                    f"{missing[:10]}, unexpected keys {unexpected[:10]}. Set `strict_loading = False` on the "
-                    "LightningModule to load the keys that match.")
-        entries: dict[tuple, Any] = {}
-        for key, tensor in tensors.items():
-            if key not in saved_keys:
-                continue
-            if wrapper is not None and tensor in wrapper._param_names and not wrapper.owns(tensor):
-                continue  # its owner reads it; the all-gather below brings it here
-            entries[(ckpt.MODEL_KEY, key)] = tensor.detach()
         fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-        n_optimizers = len({p[0] for p in items if p[0].startswith("optimizer_")})
-        if fitting and self.optimizers:
-            if n_optimizers != len(self.optimizers):
-                raise ckpt.CheckpointError(
-                    f"sharded checkpoint {str(path)!r} holds {n_optimizers} optimizer state(s) and the model "
-                    f"configures {len(self.optimizers)}; it was saved without optimizer state "
-                    "(ModelCheckpoint(save_weights_only=True)?) or for another set of optimizers.")
-            owned = self._owned_names()
-            for item_path, item in items.items():
-                if not item_path[0].startswith("optimizer_"):
-                    continue
-                part = item_path[1] if len(item_path) > 1 else None
-                if part == "param_groups" or (part in ("state", "master_weights") and item_path[2] in owned):
-                    entries[item_path] = ckpt.empty_like_item(item)
-        state = ckpt.nest(entries)
-        with torch.no_grad():
-            ckpt.load_sharded(path, state, weights_only=weights_only)
+        n_optimizers = len(self.optimizers) if fitting else 0
+        meta, optimizer_states = ckpt.read_sharded_checkpoint(
+            path, module.state_dict(keep_vars=True), self._ownership(), n_optimizers, module.strict_loading,
+            type(module).__name__, weights_only)
         self._after_model_load()
-        if fitting and self.optimizers:
-            meta["optimizer_states"] = [state[ckpt.optimizer_key(i)] for i in range(len(self.optimizers))]
+        if optimizer_states is not None:
+            meta["optimizer_states"] = optimizer_states
         return meta
-
-    def _owned_names(self) -> set[str]:
-        wrapper = self.wrapper
-        if wrapper is None:
-            return set(self._names.values())
-        return {name for name, _ in wrapper.named_owned_parameters()}
 
     def _after_model_load(self) -> None:
         """Every rank holds the loaded parameters, and the masters equal them."""
@@ -534,12 +491,8 @@ class LayerwiseStrategy(DDPStrategy):
         if len(states) != len(self.optimizers):
             raise ckpt.CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
                                        f"configures {len(self.optimizers)}.")
-        wrapper = self.wrapper
         names = self._names or _parameter_names(self.lightning_module, self._masters)
-        masters = set(self._masters.names) if self._masters is not None else set()
-
-        def keep(p: torch.Tensor) -> bool:  # another rank steps it; keep state once in the world
-            return wrapper is None or p in masters or p not in wrapper._param_names or wrapper.owns(p)
+        keep = self._ownership().reads  # another rank steps the rest: state exists once in the world
 
         for optimizer, saved in zip(self.optimizers, states):
             local = ckpt.local_optimizer_state(saved, optimizer, names, keep)

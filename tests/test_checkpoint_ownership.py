@@ -1,0 +1,62 @@
+"""Note [checkpoint ownership]: which entries a rank writes and reads, without a process group."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_layerwise import checkpoint as ckpt
+
+
+class FakeWrapper:
+    """The three queries Ownership.of asks of a LayerwiseDataParallel: layout, owned, owned names."""
+
+    def __init__(self, module: nn.Module, owned: set[str]):
+        self.named = dict(module.named_parameters())
+        self.owned = owned
+
+    def named_parameters_in_layout(self):
+        return ((p, n) for n, p in self.named.items() if p.requires_grad)
+
+    def owned_parameters(self):
+        return (self.named[n] for n in self.owned)
+
+    def named_owned_parameters(self):
+        return ((n, self.named[n]) for n in self.owned)
+
+
+def model():
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    m[2].bias.requires_grad_(False)  # frozen: outside the layout, written by rank 0
+    return m
+
+
+def test_owner_writes_its_parameters_rank0_the_rest():
+    m = model()
+    names = {p: n for n, p in m.named_parameters()}
+    tensors = m.state_dict(keep_vars=True)
+    state = {k: v.detach() for k, v in tensors.items()}
+    master = nn.Parameter(torch.zeros(4, 3))
+    rank0 = ckpt.Ownership.of(FakeWrapper(m, {"0.weight"}), names, is_global_zero=True, masters=[master])
+    rank1 = ckpt.Ownership.of(FakeWrapper(m, {"0.bias", "1.weight", "1.bias", "2.weight"}), names,
+                              is_global_zero=False)
+    written0 = set(ckpt.model_entries_to_write(state, tensors, rank0))
+    written1 = set(ckpt.model_entries_to_write(state, tensors, rank1))
+    assert written0 == {"0.weight", "1.running_mean", "1.running_var", "1.num_batches_tracked", "2.bias"}
+    assert written1 == {"0.bias", "1.weight", "1.bias", "2.weight"}
+    assert not written0 & written1 and written0 | written1 == set(state)  # every entry once
+    # Reads: the owned parameters, and everything outside the layout (buffers, frozen) on every rank.
+    assert {k for k, t in tensors.items() if rank1.reads(t)} == written1 | {
+        "1.running_mean", "1.running_var", "1.num_batches_tracked", "2.bias"}
+    assert rank0.reads(master) and rank0.owned_names == {"0.weight"}
+
+
+def test_without_a_wrapper_a_rank_owns_everything():
+    m = model()
+    names = {p: n for n, p in m.named_parameters()}
+    tensors = m.state_dict(keep_vars=True)
+    alone = ckpt.Ownership.of(None, names, is_global_zero=True)
+    assert set(ckpt.model_entries_to_write({k: 0 for k in tensors}, tensors, alone)) == set(tensors)
+    assert all(alone.reads(t) for t in tensors.values()) and alone.owned_names == set(names.values())
+    other = ckpt.Ownership.of(None, names, is_global_zero=False)
+    assert ckpt.model_entries_to_write({k: 0 for k in tensors}, tensors, other) == {}
