@@ -7,7 +7,7 @@ Importing the package registers the strategies ``layerwise``, ``layerwise_spawn`
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
-from .data_parallel import LayerwiseDataParallel
+from .data_parallel import LayerwiseDataParallel, ReplicaDivergenceError
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
@@ -23,6 +23,7 @@ __all__ = [
     "Muon",
     "ParamSpec",
     "ProcessGroups",
+    "ReplicaDivergenceError",
     "StaleParameterReadError",
     "clip_grad_norm_",
     "clip_grad_value_",

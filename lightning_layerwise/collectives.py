@@ -94,6 +94,15 @@ def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op
     return Collective(bucket, work if async_op else None)
 
 
+def all_gather_stacked(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along a new first dimension, in group rank order (synchronously)."""
+    if group is None:
+        return tensor.unsqueeze(0)
+    out = torch.empty((dist.get_world_size(group), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=group)
+    return out
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sums ``tensor`` in place over ``group`` (synchronously)."""
     if group is not None:

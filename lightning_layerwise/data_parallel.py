@@ -38,6 +38,20 @@ Note [stale reads]
     (default) it waits for that bucket, with ``"strict"`` it raises, naming the
     parameter. Either way no read sees a previous step's value.
 
+Note [replica check]
+    After the all-gather every rank must hold bitwise the same parameters.
+    :meth:`LayerwiseDataParallel.check_replicas` tests that with one small
+    collective: each rank sums the bits of every parameter, frozen ones included
+    (the values viewed as integers of their width, summed in int64: any change of
+    one element, one ulp included, changes the sum), and all-gathers that vector
+    of one int64 per parameter. A mismatch names the parameters, their buckets and
+    the ranks. Every rank sees the same gathered values and raises the same error,
+    so none hangs. Padding is not compared: it holds no parameter.
+    Non-owned parameters are rewritten by every all-gather, so a rank-local
+    corruption of one lives until the next gather; what the check sees is the
+    state right after it (a faulty transfer, a rank-local write after it, a
+    frozen parameter that differs: frozen parameters are never re-sent).
+
 Note [gradient lifecycle]
     The grad buffer is zeroed lazily by the first forward with grad enabled
     after a step's gradients were handed out (or explicitly by
@@ -502,6 +516,41 @@ class LayerwiseDataParallel(nn.Module):
             handles.append(module.register_forward_pre_hook(hook))
         return handles
 
+    # --- replica check (Note [replica check]) ------------------------------------------
+    def check_replicas(self) -> None:
+        """Raises :class:`ReplicaDivergenceError` on every rank unless all ranks hold bitwise-equal parameters.
+
+        Collective: every rank calls it at the same point. Waits for outstanding
+        all-gathers first.
+        """
+        group = self.process_groups.dp
+        if group is None:
+            return
+        self.finish_param_sync()
+        names = {p: n for n, p in self.module.named_parameters()}  # frozen ones too: never all-gathered
+        params = list(names)
+        with torch._C.DisableTorchFunctionSubclass():
+            sums = torch.stack([_bit_sum(p.detach()) for p in params])
+        gathered = collectives.all_gather_stacked(sums, group)
+        differs = (gathered != gathered[0]).any(0).nonzero().flatten().tolist()
+        if not differs:
+            return
+        ranks = sorted({r for i in differs for r in range(gathered.size(0)) if gathered[r, i] != gathered[0, i]})
+        where = []
+        for i in differs[:5]:
+            bucket = self._bucket_of.get(params[i])
+            where.append(f"{names[params[i]]!r} ({'bucket ' + bucket.name if bucket else 'frozen, never all-gathered'})")
+        raise ReplicaDivergenceError(
+            f"ranks hold different parameters after the all-gather: {', '.join(where)}"
+            f"{' and more' if len(differs) > 5 else ''} differ between rank 0 and rank(s) {ranks}. Training stops "
+            "here because the replicas would drift apart. Causes: a rank-local in-place write to a parameter (a "
+            "hook or callback run on some ranks only), a frozen parameter set differently per rank, or a faulty "
+            "device or link; resume from the last checkpoint."
+        )
+
+    def _device(self) -> torch.device:
+        return self._flat_buffers[0].params.device
+
     # --- set-up --------------------------------------------------------------------
     def _broadcast_from_rank0(self) -> None:
         group = self.process_groups.dp
@@ -559,6 +608,25 @@ class LayerwiseDataParallel(nn.Module):
         self._buckets = []
         self._grad_views = {}
         return self.module
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """Ranks hold different parameters after the all-gather (:meth:`LayerwiseDataParallel.check_replicas`)."""
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT_SUM_CHUNK = 1 << 22  # elements summed at once: bounds the int64 temporary
+
+
+def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor``'s elements read as integers of the same width, in int64 (0-d tensor)."""
+    flat = tensor.reshape(-1)
+    if flat.dtype.is_floating_point or flat.dtype.is_complex:
+        flat = flat.view(_INT_OF_SIZE[flat.element_size()]) if not flat.dtype.is_complex else flat.view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for chunk in flat.split(_BIT_SUM_CHUNK):
+        total += chunk.sum(dtype=torch.int64)
+    return total
 
 
 def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:

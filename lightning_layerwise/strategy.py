@@ -106,6 +106,11 @@ class LayerwiseStrategy(DDPStrategy):
             with the full model and the optimizer state gathered to it, keyed by
             parameter name (loadable by ``ddp`` and ``load_from_checkpoint``). Both
             resume at any world size and bucket size; see docs/checkpointing.md.
+        replica_check_every: every this many optimizer steps, check right after the
+            all-gather that all ranks hold bitwise-equal parameters (one all-gather of one
+            checksum per bucket; Note [replica check] in ``data_parallel.py``) and stop
+            with :class:`ReplicaDivergenceError`, naming the bucket and parameters, if
+            not. ``None`` (default): never.
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -124,6 +129,7 @@ class LayerwiseStrategy(DDPStrategy):
         grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
+        replica_check_every: Optional[int] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -151,6 +157,10 @@ class LayerwiseStrategy(DDPStrategy):
         if checkpoint_format not in ("sharded", "full"):
             raise ValueError(f"LayerwiseStrategy(checkpoint_format={checkpoint_format!r}): use 'sharded' (a "
                              "directory, each rank writes what it owns) or 'full' (one file written by rank 0).")
+        if replica_check_every is not None and (isinstance(replica_check_every, bool)
+                                                or not isinstance(replica_check_every, int) or replica_check_every < 1):
+            raise ValueError(f"LayerwiseStrategy(replica_check_every={replica_check_every!r}): pass a number of "
+                             "optimizer steps >= 1 (e.g. 100), or None to never check.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"LayerwiseStrategy(start_method={start_method!r}): use 'popen', 'spawn', 'fork' "
                              "or 'forkserver'.")
@@ -173,6 +183,8 @@ class LayerwiseStrategy(DDPStrategy):
         self.grad_reduce_dtype = grad_reduce_dtype
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
+        self.replica_check_every = replica_check_every
+        self._steps = 0  # optimizer steps this fit, for replica_check_every
         self._masters: Optional[MasterWeights] = None
         # parameter (or master weight) -> name, for checkpoints keyed by name; kept after teardown
         self._names: dict[torch.Tensor, str] = {}
@@ -249,6 +261,7 @@ class LayerwiseStrategy(DDPStrategy):
     def setup(self, trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._steps = 0
             self._check_optimizers()
             if self._half_true() and self.optimizers:
                 self._masters = MasterWeights(self.wrapper, self.optimizers[0])
@@ -327,6 +340,9 @@ class LayerwiseStrategy(DDPStrategy):
             if self._masters is not None:
                 self._masters.write_back()
             wrapper.start_param_sync(force_sync=self._sync_after_step)
+            self._steps += 1
+            if self.replica_check_every is not None and self._steps % self.replica_check_every == 0:
+                wrapper.check_replicas()
         return output
 
     def sync_parameters(self) -> None:
