@@ -384,6 +384,20 @@ class LayerwiseDataParallel(nn.Module):
                 param.grad = None
         self._grads_handed_out = True
 
+    def grads_are_finite(self) -> bool:
+        """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish_grad_sync`).
+
+        Each rank checks its own shards (every gradient element lies in exactly one),
+        so all ranks return the same verdict.
+        """
+        device = self._device()
+        bad = torch.zeros((), dtype=torch.float32, device=device)
+        for bucket in self._buckets:
+            shard = bucket.grad_data.chunk(self.dp_size)[self.dp_rank]
+            bad = torch.maximum(bad, (~torch.isfinite(shard)).any().float())
+        collectives.all_reduce_max(bad, self.process_groups.dp)
+        return not bool(bad.item())
+
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squares of the full reduced gradient, from owned shards (one all-reduce).
 

@@ -52,6 +52,25 @@ class _ShardedClipping:
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         clip_grad_norm_(self._wrapper(), clip_val)
 
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """With ``skip_nonfinite_steps``: run the closure, then step only if every rank's gradients are finite.
+
+        A grad scaler (``16-mixed``) already skips such steps on every rank and lowers its scale, so it keeps
+        its own behaviour.
+        """
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
+        if (strategy is None or not strategy.skip_nonfinite_steps or strategy.wrapper is None
+                or getattr(self, "scaler", None) is not None):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()  # forward and backward; the strategy's post_backward syncs the gradients
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # training_step returned None: no backward, nothing to step
+        if not strategy.wrapper.grads_are_finite():
+            strategy.note_skipped_step()
+            return closure_result
+        self._after_closure(model, optimizer)  # on_before_optimizer_step and clipping
+        return optimizer.step(**kwargs)
+
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         clip_grad_value_(self._wrapper(), clip_val)
 

@@ -111,6 +111,10 @@ class LayerwiseStrategy(DDPStrategy):
             checksum per bucket; Note [replica check] in ``data_parallel.py``) and stop
             with :class:`ReplicaDivergenceError`, naming the bucket and parameters, if
             not. ``None`` (default): never.
+        skip_nonfinite_steps: skip the optimizer step on every rank when any rank's
+            reduced gradients hold inf or NaN (agreed by one all-reduce), warn, and count it
+            in :attr:`skipped_steps`. ``16-mixed`` keeps its grad scaler, which does the
+            same and lowers the loss scale. Default ``False``: step anyway, as ``ddp``.
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -130,6 +134,7 @@ class LayerwiseStrategy(DDPStrategy):
         broadcast_buffers: bool = True,
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         replica_check_every: Optional[int] = None,
+        skip_nonfinite_steps: bool = False,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -161,6 +166,8 @@ class LayerwiseStrategy(DDPStrategy):
                                                 or not isinstance(replica_check_every, int) or replica_check_every < 1):
             raise ValueError(f"LayerwiseStrategy(replica_check_every={replica_check_every!r}): pass a number of "
                              "optimizer steps >= 1 (e.g. 100), or None to never check.")
+        if not isinstance(skip_nonfinite_steps, bool):
+            raise ValueError(f"LayerwiseStrategy(skip_nonfinite_steps={skip_nonfinite_steps!r}): pass True or False.")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"LayerwiseStrategy(start_method={start_method!r}): use 'popen', 'spawn', 'fork' "
                              "or 'forkserver'.")
@@ -184,6 +191,9 @@ class LayerwiseStrategy(DDPStrategy):
         self.broadcast_buffers = broadcast_buffers
         self.checkpoint_format = checkpoint_format
         self.replica_check_every = replica_check_every
+        self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
+        self.skipped_steps = 0
+        """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
         self._steps = 0  # optimizer steps this fit, for replica_check_every
         self._masters: Optional[MasterWeights] = None
         # parameter (or master weight) -> name, for checkpoints keyed by name; kept after teardown
@@ -344,6 +354,13 @@ class LayerwiseStrategy(DDPStrategy):
             if self.replica_check_every is not None and self._steps % self.replica_check_every == 0:
                 wrapper.check_replicas()
         return output
+
+    def note_skipped_step(self) -> None:
+        self.skipped_steps += 1
+        step = self.lightning_module.global_step if self.lightning_module is not None else "?"
+        rank_zero_warn(f"LayerwiseStrategy(skip_nonfinite_steps=True): gradients hold inf or NaN at step {step}; "
+                       f"the optimizer step is skipped on every rank ({self.skipped_steps} skipped so far, "
+                       "strategy.skipped_steps).")
 
     def sync_parameters(self) -> None:
         """Waits until every rank holds the current parameters (no collective if already synced)."""
