@@ -112,7 +112,7 @@ from collections import defaultdict
 from itertools import islice
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterable, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 
@@ -505,99 +505,179 @@ class _Packing:
         return sum(self.gaps.values())
 
 
+_Round = list[list[ParamSpec]]
+"""A round's contents: the parameters of each shard."""
+
+
 def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
           solo: tuple[str, ...], tail_start: int, initial_cost: Sequence[float] | None = None,
           reserved: frozenset[str] = frozenset()) -> _Packing:
-    """One packing pass over ``queue``.
+    """One packing pass over ``queue`` (backward order); the steps are :class:`_Packer`'s.
 
     ``solo`` seeds get rounds filled from the tail of the queue, never from
-    before position ``tail_start``. ``initial_cost`` is what each rank
-    carries from earlier buffers (default: nothing). ``reserved`` parameters
-    (see Note [leftovers]) are never peers of a seed that is not reserved, and
-    when there are any, shards without a peer are filled with reserved
-    parameters only, largest first.
+    before position ``tail_start`` (Note [tail gaps]). ``initial_cost`` is what
+    each rank carries from earlier buffers (default: nothing). ``reserved``
+    parameters (see Note [leftovers]) are never peers of a seed that is not
+    reserved, and when there are any, shards without a peer are filled with
+    reserved parameters only, largest first.
     """
-    position = {s.name: i for i, s in enumerate(queue)}
-    pending: dict[str, ParamSpec] = {s.name: s for s in queue}  # insertion order = backward order
-    # Ordered sets (dicts) per aligned size: O(1) removal keeps large models fast.
-    by_size: dict[int, dict[str, None]] = defaultdict(dict)
-    spare: dict[int, dict[str, None]] = defaultdict(dict)  # the reserved ones, by size
-    for s in queue:
-        (spare if s.name in reserved else by_size)[aligned(s.numel)][s.name] = None
-    cursor = 0  # every parameter before queue[cursor] is packed
+    packer = _Packer(queue, dp, bucket_size, costs, initial_cost, reserved)
+    tail_rounds = packer.solo_rounds(solo, tail_start)
+    for contents in packer.rounds(tail_rounds):
+        packer.place(contents)
+    packer.close_bucket()
+    return _Packing(packer.buckets, packer.placed, packer.gaps, packer.rank_cost)
 
-    rank_cost = [0.0] * dp if initial_cost is None else list(initial_cost)
-    placed: dict[str, tuple[int, int, int]] = {}
-    gaps: dict[str, int] = {}
-    buckets: list[BucketPlan] = []
-    bucket_start = 0  # buffer offset of the open bucket
-    shard_fill = 0  # elements used in each shard of the open bucket (equal across shards)
-    open_rounds: list[tuple[int, list[list[ParamSpec]]]] = []  # (round length, contents per rank)
 
-    def take(name: str) -> ParamSpec:
-        spec = pending.pop(name)
+class _Packer:
+    """The state of one packing pass and its steps, which :func:`_pack` runs.
+
+    Forming a round takes its parameters out of what is still to pack
+    (:meth:`take`); placing it gives its shards to ranks and appends it to the
+    open bucket, which closes when full. Rounds are placed one at a time, as
+    they are formed; the two sides share nothing but the rounds.
+    """
+
+    def __init__(self, queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+                 initial_cost: Sequence[float] | None, reserved: frozenset[str]) -> None:
+        self.queue = queue
+        self.dp = dp
+        self.bucket_size = bucket_size
+        self.costs = costs
+        self.reserved = reserved
+        self.position = {s.name: i for i, s in enumerate(queue)}
+        # Still to pack. Insertion order = backward order; ordered sets (dicts) per aligned
+        # size make removal O(1), which keeps large models fast.
+        self.pending: dict[str, ParamSpec] = {s.name: s for s in queue}
+        self.by_size: dict[int, dict[str, None]] = defaultdict(dict)
+        self.spare: dict[int, dict[str, None]] = defaultdict(dict)  # the reserved ones, by size
+        for s in queue:
+            (self.spare if s.name in reserved else self.by_size)[aligned(s.numel)][s.name] = None
+        self.cursor = 0  # every parameter before queue[cursor] is packed
+        # What the pass returns (see _Packing).
+        self.rank_cost = [0.0] * dp if initial_cost is None else list(initial_cost)
+        self.placed: dict[str, tuple[int, int, int]] = {}  # name -> (bucket, offset, owner)
+        self.gaps: dict[str, int] = {}
+        self.buckets: list[BucketPlan] = []
+        # The open bucket.
+        self.bucket_start = 0  # its offset in the buffer
+        self.shard_fill = 0  # elements used in each of its shards (equal across shards)
+        self.open_rounds: list[tuple[int, _Round]] = []  # (round length, contents per rank)
+
+    # --- the queue ---------------------------------------------------------------------------------
+    def take(self, name: str) -> ParamSpec:
+        """Removes ``name`` from what is still to pack and returns its spec."""
+        spec = self.pending.pop(name)
         size = aligned(spec.numel)
-        by_size[size].pop(name, None)
-        spare[size].pop(name, None)
+        self.by_size[size].pop(name, None)
+        self.spare[size].pop(name, None)
         return spec
 
-    def backward(start: int = 0):
-        """Pending names from ``queue[start:]`` in backward order (safe while taking)."""
-        nonlocal cursor
+    def backward(self) -> Iterator[str]:
+        """Names still to pack, in backward order; safe while the caller takes them.
+
+        On the first ``next``, moves ``cursor`` past the packed start of the queue.
+        """
+        queue, pending = self.queue, self.pending
+        cursor = self.cursor
         while cursor < len(queue) and queue[cursor].name not in pending:
             cursor += 1
-        for i in range(max(start, cursor), len(queue)):
+        self.cursor = cursor
+        for i in range(cursor, len(queue)):
             if queue[i].name in pending:
                 yield queue[i].name
 
-    def close_bucket() -> None:
-        nonlocal bucket_start, shard_fill, open_rounds
-        if not open_rounds:
-            return
-        index = len(buckets)
-        shard_size = shard_fill
-        cursor = [0] * dp  # offset inside each rank's shard
-        names: list[tuple[int, str]] = []
-        for length, contents in open_rounds:
-            for rank, members in enumerate(contents):
-                offset = bucket_start + rank * shard_size + cursor[rank]
-                for spec in members:
-                    placed[spec.name] = (index, offset, rank)
-                    names.append((offset, spec.name))
-                    offset += aligned(spec.numel)
-                cursor[rank] += length
-        end = bucket_start + dp * shard_size
-        buckets.append(BucketPlan(index, bucket_start, end, dp, tuple(n for _, n in sorted(names))))
-        bucket_start, shard_fill, open_rounds = end, 0, []
+    def tail(self, after: int) -> list[str]:
+        """Names still to pack after position ``after``, the end of the queue first."""
+        position = self.position
+        return [n for n in reversed(self.pending) if position[n] > after]
 
-    def fill(seed: ParamSpec, contents: list[list[ParamSpec]], candidates, after: int) -> None:
-        """Packs the round's shards that have no peer with parameters that fit, in ``candidates`` order.
+    # --- forming rounds ----------------------------------------------------------------------------
+    def solo_rounds(self, solo: tuple[str, ...], tail_start: int) -> list[_Round]:
+        """Rounds of the ``solo`` seeds, formed before all others from the tail of the queue
+        (after position ``tail_start``), where they will sit. See Note [tail gaps]."""
+        tail_rounds = []
+        for name in solo:
+            if name not in self.pending:  # already packed into an earlier solo round
+                continue
+            seed = self.take(name)
+            contents = [[seed]]
+            self.fill(seed, contents, lambda: self.tail(tail_start), tail_start)
+            tail_rounds.append(contents)
+        return tail_rounds
 
-        With reserved parameters, only those after position ``after`` fill, largest first:
-        each size class in turn goes into the free shards, first shard first.
+    def rounds(self, tail_rounds: list[_Round]) -> Iterator[_Round]:
+        """Every round in buffer order: one per seed in backward order while parameters are
+        left, then ``tail_rounds``, the first solo seed's last. See Note [backward order]."""
+        while self.pending:
+            yield self.seed_round()
+        yield from reversed(tail_rounds)
+
+    def seed_round(self) -> _Round:
+        """The round of the next parameter in backward order: the seed, its peers, then fill.
+        See Note [size matching]."""
+        seed = self.take(next(self.backward()))
+        contents = [[seed]]
+        size = aligned(seed.numel)
+        # Peers: unreserved parameters of the seed's size; a reserved seed (one no earlier
+        # round had room for) also takes reserved peers, first. See Note [leftovers].
+        pools = (self.spare[size], self.by_size[size]) if seed.name in self.reserved else (self.by_size[size],)
+        take = self.take
+        for peers in pools:
+            for name in list(islice(peers, self.dp - len(contents))):
+                contents.append([take(name)])
+        # Shards without a peer: pack smaller parameters greedily, in backward order.
+        self.fill(seed, contents, self.backward, self.position[seed.name])
+        return contents
+
+    def fill(self, seed: ParamSpec, contents: _Round, candidates: Callable[[], Iterable[str]],
+             after: int) -> None:
+        """Fills the shards of ``seed``'s round that have no peer and appends them to
+        ``contents``; records the padding the round leaves in ``gaps``.
+
+        With reserved parameters, only those after position ``after`` fill
+        (:meth:`fill_reserved`); otherwise ``candidates`` do (:meth:`fill_greedy`).
         """
         length = aligned(seed.numel)
-        free = dp - len(contents)
-        if reserved:
-            rooms = [length] * free
-            shards: list[list[ParamSpec]] = [[] for _ in range(free)]
-            for size in sorted((z for z, names in spare.items() if names and z <= length), reverse=True):
-                names = [n for n in spare[size] if position[n] > after]
-                k = 0
-                for i in range(free):
-                    while k < len(names) and rooms[i] >= size:
-                        shards[i].append(take(names[k]))
-                        rooms[i] -= size
-                        k += 1
-                    if k == len(names):
-                        break
-            for members in shards:
-                members.sort(key=lambda s: position[s.name])
-            contents.extend(shards)
-            gaps[seed.name] = sum(rooms)
-            return
+        free = self.dp - len(contents)
+        if self.reserved:
+            shards, gap = self.fill_reserved(length, free, after)
+        else:
+            shards, gap = self.fill_greedy(length, free, candidates)
+        contents.extend(shards)
+        self.gaps[seed.name] = gap
+
+    def fill_reserved(self, length: int, free: int, after: int) -> tuple[_Round, int]:
+        """``free`` shards of ``length`` elements filled with the reserved parameters after
+        position ``after``: largest size class first, each class into the first shards with
+        room. Returns the shards (each in backward order) and the padding they leave.
+        See Note [leftovers]."""
+        position, spare, take = self.position, self.spare, self.take
+        rooms = [length] * free
+        shards: _Round = [[] for _ in range(free)]
+        for size in sorted((z for z, names in spare.items() if names and z <= length), reverse=True):
+            names = [n for n in spare[size] if position[n] > after]
+            k = 0
+            for i in range(free):
+                while k < len(names) and rooms[i] >= size:
+                    shards[i].append(take(names[k]))
+                    rooms[i] -= size
+                    k += 1
+                if k == len(names):
+                    break
+        for members in shards:
+            members.sort(key=lambda s: position[s.name])
+        return shards, sum(rooms)
+
+    def fill_greedy(self, length: int, free: int, candidates: Callable[[], Iterable[str]]
+                    ) -> tuple[_Round, int]:
+        """``free`` shards of ``length`` elements, each packed with the parameters that fit,
+        in the order ``candidates()`` gives afresh for each shard. Returns the shards and the
+        padding they leave. See Note [size matching]."""
+        pending, take = self.pending, self.take
+        shards: _Round = []
         gap = 0
-        while len(contents) < dp:
+        for _ in range(free):
             room, members = length, []
             for name in candidates():
                 need = aligned(pending[name].numel)
@@ -607,49 +687,47 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
                     if room < ALIGNMENT:
                         break
             gap += room
-            contents.append(members)
-        gaps[seed.name] = gap
+            shards.append(members)
+        return shards, gap
 
-    # Solo seeds first: their rounds take the tail of the queue, where they will sit.
-    tail_rounds = []
-    for name in solo:
-        if name not in pending:  # already packed into an earlier solo round
-            continue
-        seed = take(name)
-        contents = [[seed]]
-        fill(seed, contents, lambda: [n for n in reversed(pending) if position[n] > tail_start], tail_start)
-        tail_rounds.append(contents)
-
-    def rounds():
-        while pending:
-            seed = take(next(backward()))
-            contents = [[seed]]
-            size = aligned(seed.numel)
-            # Peers: unreserved parameters of the seed's size; a reserved seed (one no earlier
-            # round had room for) also takes reserved peers, first.
-            pools = (spare[size], by_size[size]) if seed.name in reserved else (by_size[size],)
-            for peers in pools:
-                for name in list(islice(peers, dp - len(contents))):
-                    contents.append([take(name)])
-            # Shards without a peer: pack smaller parameters greedily, in backward order.
-            fill(seed, contents, backward, position[seed.name])
-            yield contents
-        yield from reversed(tail_rounds)
-
-    for contents in rounds():
-        length = aligned(contents[0][0].numel)
-        # A round that alone exceeds the bucket size gets a bucket of its own.
-        if length * dp > bucket_size:
-            close_bucket()
-        assigned = _assign_round(length, contents, rank_cost, costs, position)
+    # --- placing rounds ----------------------------------------------------------------------------
+    def place(self, contents: _Round) -> None:
+        """Adds a round to the open bucket, its shards given to ranks by :func:`_assign_round`
+        (Note [owner balancing]). A round that alone exceeds the bucket size gets a bucket of
+        its own; a bucket closes once it reaches the bucket size."""
+        dp, costs, rank_cost = self.dp, self.costs, self.rank_cost
+        length = aligned(contents[0][0].numel)  # the seed's
+        if length * dp > self.bucket_size:
+            self.close_bucket()  # the round alone exceeds the bucket size: a bucket of its own
+        assigned = _assign_round(length, contents, rank_cost, costs, self.position)
         for rank, members in enumerate(assigned):
             rank_cost[rank] += sum(costs[s.name] for s in members)
-        open_rounds.append((length, assigned))
-        shard_fill += length
-        if shard_fill * dp >= bucket_size:
-            close_bucket()
-    close_bucket()
-    return _Packing(buckets, placed, gaps, rank_cost)
+        self.open_rounds.append((length, assigned))
+        self.shard_fill += length
+        if self.shard_fill * dp >= self.bucket_size:
+            self.close_bucket()
+
+    def close_bucket(self) -> None:
+        """Makes the open rounds a bucket: rank ``r``'s shard holds shard ``r`` of each round,
+        one round after the other, so every parameter lies inside its owner's shard
+        (Note [shard alignment]). Records each parameter's (bucket, offset, owner)."""
+        if not self.open_rounds:
+            return
+        index = len(self.buckets)
+        start, shard_size, dp, placed = self.bucket_start, self.shard_fill, self.dp, self.placed
+        used = [0] * dp  # elements used in each rank's shard
+        names: list[tuple[int, str]] = []
+        for length, contents in self.open_rounds:
+            for rank, members in enumerate(contents):
+                offset = start + rank * shard_size + used[rank]
+                for spec in members:
+                    placed[spec.name] = (index, offset, rank)
+                    names.append((offset, spec.name))
+                    offset += aligned(spec.numel)
+                used[rank] += length
+        end = start + dp * shard_size
+        self.buckets.append(BucketPlan(index, start, end, dp, tuple(n for _, n in sorted(names))))
+        self.bucket_start, self.shard_fill, self.open_rounds = end, 0, []
 
 
 def _assign_round(length: int, contents: list[list[ParamSpec]], rank_cost: Sequence[float],
