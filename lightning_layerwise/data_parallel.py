@@ -52,6 +52,17 @@ Note [replica check]
     state right after it (a faulty transfer, a rank-local write after it, a
     frozen parameter that differs: frozen parameters are never re-sent).
 
+Note [fixed module]
+    The layout is planned once, from the parameters the module has when it is
+    wrapped. Every training forward checks, before any collective of the step,
+    that the module still has exactly those parameter objects, in the same order,
+    and that each trainable one still views its slot in the param buffer
+    (``data_ptr``): a parameter added, removed or replaced (a module assigned
+    anew), or re-typed or moved (``model.half()``, ``p.data = ...``), raises a
+    ``RuntimeError`` naming it on every rank that made the change, instead of
+    a collective over a layout that no longer matches. Only identities and
+    pointers are compared; no tensor is read.
+
 Note [gradient lifecycle]
     The grad buffer is zeroed lazily by the first forward with grad enabled
     after a step's gradients were handed out (or explicitly by
@@ -230,6 +241,10 @@ class LayerwiseDataParallel(nn.Module):
                 if read_guard.can_guard(p):
                     read_guard.attach(p, self._on_pending_read)
 
+        # What every training forward checks is still so (Note [fixed module]).
+        self._all_params = list(module.parameters())
+        self._data_ptrs = {p: p.data_ptr() for p in self._param_names}
+
         self._micro_batch_is_last = True
         self._grads_handed_out = False
         self._seen: set[nn.Parameter] = set()  # parameters whose gradient arrived this step
@@ -272,11 +287,46 @@ class LayerwiseDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled() and self.module.training:
+            self._check_module_unchanged()
             if self._grads_handed_out:
                 self.zero_grad_buffer()
             if self.broadcast_buffers:
                 self._broadcast_module_buffers()
         return self.module(*args, **kwargs)
+
+    def _check_module_unchanged(self) -> None:
+        """Raises before any collective of the step if the module's parameters changed since wrapping.
+
+        See Note [fixed module]. Identity and storage pointers only: no tensor is read.
+        """
+        current = self.module.parameters()
+        for expected in self._all_params:
+            p = next(current, None)
+            if p is not expected:
+                self._raise_changed()
+        if next(current, None) is not None:
+            self._raise_changed()
+        with torch._C.DisableTorchFunctionSubclass():
+            for p, ptr in self._data_ptrs.items():
+                if p.data_ptr() != ptr:
+                    raise RuntimeError(
+                        f"parameter {self._param_names[p]!r} no longer lives in its bucket: its .data, dtype or "
+                        "device was changed after the module was wrapped (model.half(), .to(), or an assignment "
+                        "to .data during training). Convert or move the model before fit, or use the Trainer's "
+                        "precision= argument."
+                    )
+
+    def _raise_changed(self) -> None:
+        before = {id(p): n for p, n in self._param_names.items()}
+        now = dict(self.module.named_parameters())
+        added = [n for n, p in now.items() if p.requires_grad and id(p) not in before]
+        removed = [n for p, n in self._param_names.items() if all(q is not p for q in now.values())]
+        raise RuntimeError(
+            "the module's parameters changed after it was wrapped for data-parallel training (the layout is "
+            f"planned once, at setup): added or replaced {added[:5]}, removed or replaced {removed[:5]}. Create "
+            "every parameter (and module) before fit, e.g. in __init__ or configure_model, and do not assign "
+            "new modules or parameters during training."
+        )
 
     # --- gradients -----------------------------------------------------------------
     @contextlib.contextmanager
