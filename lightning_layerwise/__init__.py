@@ -7,7 +7,7 @@ Importing the package registers the strategies ``layerwise``, ``layerwise_spawn`
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
-from .data_parallel import LayerwiseDataParallel, ReplicaDivergenceError
+from .data_parallel import CollectiveError, LayerwiseDataParallel, ReplicaDivergenceError
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
@@ -17,6 +17,7 @@ from .strategy import LayerwiseStrategy
 LayerwiseStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
+    "CollectiveError",
     "LayerwiseDataParallel",
     "LayerwiseStrategy",
     "Layout",

@@ -634,13 +634,22 @@ class LayerwiseDataParallel(nn.Module):
                 collectives.broadcast_coalesced(buffers, self.process_groups.dp)
 
     def _wait(self, collective: collectives.Collective, kind: str) -> None:
-        """Waits for ``collective``, timed under ``kind`` if requested (Note [timing communication waits])."""
-        if self.comm_wait_seconds is None:
+        """Waits for ``collective``, timed under ``kind`` if requested (Note [timing communication waits]).
+
+        A failed collective (a dead or hung rank) raises :class:`CollectiveError` naming the
+        phase, chained to the backend's error (which names the peer's address, not its rank).
+        """
+        t0 = time.perf_counter() if self.comm_wait_seconds is not None else 0.0
+        try:
             collective.wait()
-            return
-        t0 = time.perf_counter()
-        collective.wait()
-        self._add_wait(kind, t0)
+        except RuntimeError as error:
+            phase = _PHASES.get(kind, kind)
+            raise CollectiveError(
+                f"the {phase} failed on rank {self.dp_rank} of {self.dp_size}: another rank died, hung past the "
+                f"collective timeout, or left the job ({type(error).__name__}: {str(error)[:300]}). Check the other "
+                "ranks' logs for the first error; resume from the last checkpoint.") from error
+        if self.comm_wait_seconds is not None:
+            self._add_wait(kind, t0)
 
     def _add_wait(self, kind: str, t0: float) -> None:
         waits = self.comm_wait_seconds
@@ -650,14 +659,22 @@ class LayerwiseDataParallel(nn.Module):
         if self.events is not None:
             self.events.append((event, bucket.name))
 
-    def release(self) -> nn.Module:
+    def release(self, wait: bool = True) -> nn.Module:
         """Waits for pending all-gathers, removes every hook and gives parameters their own storage.
 
         Afterwards the module is an ordinary one again (as after unwrapping
-        ``DistributedDataParallel``) and the flat buffers are freed.
+        ``DistributedDataParallel``) and the flat buffers are freed. ``wait=False``
+        abandons pending collectives instead of waiting for them: only after a
+        collective failed (a dead rank), when waiting would raise the same error again.
         """
-        self.finish_param_sync()
-        self._wait_pending_reduces()  # no collective may still read or write the buffers freed below
+        if wait:
+            self.finish_param_sync()
+            self._wait_pending_reduces()  # no collective may still read or write the buffers freed below
+        else:
+            self._in_flight = []
+            self._next_gather = len(self._gather_order)
+            for bucket in self._buckets:
+                bucket.gather = bucket.reduce = None
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
@@ -672,6 +689,16 @@ class LayerwiseDataParallel(nn.Module):
         self._buckets = []
         self._grad_views = {}
         return self.module
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the wrapper failed: usually another rank died or hung (the message names the phase)."""
+
+
+_PHASES = {
+    "reduce_scatter": "gradient reduce-scatter (end of backward)",
+    "all_gather": "parameter all-gather (forward pre-hook, a parameter read, or a sync before eval/checkpoint)",
+}
 
 
 class ReplicaDivergenceError(RuntimeError):

@@ -23,6 +23,7 @@ rest is a handful of hook overrides that call into the engine:
 from __future__ import annotations
 
 import contextlib
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Union
@@ -166,8 +167,15 @@ class LayerwiseStrategy(DDPStrategy):
                                                 or not isinstance(replica_check_every, int) or replica_check_every < 1):
             raise ValueError(f"LayerwiseStrategy(replica_check_every={replica_check_every!r}): pass a number of "
                              "optimizer steps >= 1 (e.g. 100), or None to never check.")
-        if not isinstance(skip_nonfinite_steps, bool):
-            raise ValueError(f"LayerwiseStrategy(skip_nonfinite_steps={skip_nonfinite_steps!r}): pass True or False.")
+        for name, value in (("overlap_grad_reduce", overlap_grad_reduce),
+                            ("separate_all_gather_group", separate_all_gather_group),
+                            ("broadcast_buffers", broadcast_buffers), ("skip_nonfinite_steps", skip_nonfinite_steps)):
+            if not isinstance(value, bool):
+                raise ValueError(f"LayerwiseStrategy({name}={value!r}): pass True or False.")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"LayerwiseStrategy(timeout={timeout!r}): pass a datetime.timedelta, e.g. "
+                             "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "
+                             "accepted either).")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"LayerwiseStrategy(start_method={start_method!r}): use 'popen', 'spawn', 'fork' "
                              "or 'forkserver'.")
@@ -422,8 +430,9 @@ class LayerwiseStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
-        path = Path(self.broadcast(str(filepath)))
-        local = _is_local_path(path)
+        target = self.broadcast(str(filepath))
+        local = _is_local_path(target)  # on the string: Path("s3://b/x") would read "s3:/b/x", a local path
+        path = Path(target)
         if self.checkpoint_format == "full":
             if not self.is_global_zero:
                 return
@@ -465,28 +474,28 @@ class LayerwiseStrategy(DDPStrategy):
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
             path = Path(filepath)
-            if _is_local_path(path):
+            if _is_local_path(str(filepath)):
                 for leftover in (ckpt.partial_path(path), ckpt.aside_path(path)):
                     if leftover.exists():
                         self.checkpoint_io.remove_checkpoint(leftover)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if _is_local_path(path):
-            resolved = ckpt.resolve(path)
-            if resolved != path:
-                rank_zero_warn(f"{str(path)!r} does not exist, but {str(resolved)!r} does: a save to {str(path)!r} "
-                               "was interrupted while replacing it. Loading the previous checkpoint.")
-            path = resolved
-            if path.is_dir():
-                return self._load_sharded(path, weights_only)
-            if type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
-                # Memory-mapped: a rank reads the pages of the tensors it uses (all parameters, its
-                # owned optimizer state), not the whole optimizer state. Owned state is copied out
-                # of the mapping in load_optimizer_state_dict.
-                return torch.load(path, map_location="cpu", mmap=True,
-                                  weights_only=True if weights_only is None else weights_only)
+        target = self.broadcast(str(checkpoint_path))
+        if not _is_local_path(target):
+            return super().load_checkpoint(target, weights_only=weights_only)
+        path = ckpt.resolve(Path(target))
+        if path != Path(target):
+            rank_zero_warn(f"{target!r} does not exist, but {str(path)!r} does: a save to {target!r} was interrupted "
+                           "while replacing it. Loading the previous checkpoint.")
+        if path.is_dir():
+            return self._load_sharded(path, weights_only)
+        if type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
+            # Memory-mapped: a rank reads the pages of the tensors it uses (all parameters, its
+            # owned optimizer state), not the whole optimizer state. Owned state is copied out
+            # of the mapping in load_optimizer_state_dict.
+            return torch.load(path, map_location="cpu", mmap=True,
+                              weights_only=True if weights_only is None else weights_only)
         return super().load_checkpoint(path, weights_only=weights_only)
 
     def _load_sharded(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
@@ -538,16 +547,28 @@ class LayerwiseStrategy(DDPStrategy):
     # --- teardown ----------------------------------------------------------------------
     @override
     def teardown(self) -> None:
+        # Lightning also tears down after a failed fit, from inside its exception handler. If a
+        # collective failed (a dead rank), waiting for the pending ones raises the same error again,
+        # hides the original traceback and stops the teardown: then abandon them instead.
+        failing = sys.exc_info()[0] is not None
         wrapper = self.wrapper
         if wrapper is not None:
-            wrapper.finish_param_sync()
-            wrapper.release()
+            try:
+                wrapper.release()
+            except Exception:
+                if not failing:
+                    raise
+                wrapper.release(wait=False)
             self.model = self.lightning_module
             self._masters = None
         if self._groups is not None:
             # Communicators (and gloo's threads) made for this fit end with it: none outlives the
             # run or reaches interpreter exit (where a live one can abort the process).
-            self._groups.destroy()
+            try:
+                self._groups.destroy()
+            except Exception:
+                if not failing:
+                    raise
             self._groups = None
         super().teardown()
 
@@ -606,7 +627,8 @@ def _own_copy(value):
     return value
 
 
-def _is_local_path(path: Path) -> bool:
+def _is_local_path(path: Union[str, Path]) -> bool:
+    """Whether ``path`` (a string as the user gave it: URLs keep their ``//``) is on the local filesystem."""
     from fsspec.implementations.local import LocalFileSystem
 
     return isinstance(get_filesystem(str(path)), LocalFileSystem)
