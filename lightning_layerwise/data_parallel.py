@@ -721,10 +721,13 @@ def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:
-    """Raises on every rank if the trainable parameters differ in name, shape or dtype across ranks."""
+    """Raises on every rank if the parameters differ in name, shape, dtype, requires_grad or device type across ranks.
+
+    Device *type* only: each rank has its own GPU index.
+    """
     if group is None:
         return
-    mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+    mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, p.device.type) for n, p in module.named_parameters()]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     for rank, theirs in enumerate(gathered):
@@ -733,6 +736,6 @@ def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:
             detail = (f"first difference: this rank has {diff[0]}, rank {rank} has {diff[1]}" if diff
                       else f"this rank has {len(mine)} parameters, rank {rank} has {len(theirs)}")
             raise ValueError(
-                "the module's parameters differ across ranks (name, shape, dtype or requires_grad); "
+                "the module's parameters differ across ranks (name, shape, dtype, requires_grad or device type); "
                 f"{detail}. Build the same model on every rank (same config and seed) before wrapping it."
             )

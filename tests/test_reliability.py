@@ -271,28 +271,32 @@ def _differing_modules_worker(rank, world):
             model.double()
         if rank == 1 and case == "requires_grad":
             model.out.bias.requires_grad_(False)
+        if rank == 1 and case == "device":  # another device type on one rank (meta: no GPU needed)
+            model.out.bias = nn.Parameter(torch.empty(2, device="meta"))
         return model
 
     return {case: outcome(lambda: LayerwiseDataParallel(build(case), process_groups=groups))
-            for case in ("name", "same", "dtype", "requires_grad", "count")}
+            for case in ("name", "same", "dtype", "requires_grad", "count", "device")}
 
 
 def test_parameters_differing_across_ranks_name_the_first_difference():
     first, second = run_distributed(_differing_modules_worker, 2)
-    prefix = ("ValueError: the module's parameters differ across ranks (name, shape, dtype or requires_grad); "
-              "first difference: this rank has ")
+    prefix = ("ValueError: the module's parameters differ across ranks (name, shape, dtype, requires_grad or device "
+              "type); first difference: this rank has ")
     fix = ". Build the same model on every rank (same config and seed) before wrapping it."
     assert first["same"] == second["same"] == "ok"  # the control: the same model on both ranks
-    assert first["name"] == prefix + "('out.weight', (2, 4), 'torch.float32', True), rank 1 has " \
-                                     "('head.weight', (2, 4), 'torch.float32', True)" + fix
-    assert first["dtype"] == prefix + "('inp.weight', (4, 4), 'torch.float32', True), rank 1 has " \
-                                      "('inp.weight', (4, 4), 'torch.float64', True)" + fix
-    assert first["requires_grad"] == prefix + "('out.bias', (2,), 'torch.float32', True), rank 1 has " \
-                                              "('out.bias', (2,), 'torch.float32', False)" + fix
-    assert first["count"] == ("ValueError: the module's parameters differ across ranks (name, shape, dtype or "
-                              "requires_grad); this rank has 4 parameters, rank 1 has 6" + fix)
+    assert first["name"] == prefix + "('out.weight', (2, 4), 'torch.float32', True, 'cpu'), rank 1 has " \
+                                     "('head.weight', (2, 4), 'torch.float32', True, 'cpu')" + fix
+    assert first["dtype"] == prefix + "('inp.weight', (4, 4), 'torch.float32', True, 'cpu'), rank 1 has " \
+                                      "('inp.weight', (4, 4), 'torch.float64', True, 'cpu')" + fix
+    assert first["requires_grad"] == prefix + "('out.bias', (2,), 'torch.float32', True, 'cpu'), rank 1 has " \
+                                              "('out.bias', (2,), 'torch.float32', False, 'cpu')" + fix
+    assert first["device"] == prefix + "('out.bias', (2,), 'torch.float32', True, 'cpu'), rank 1 has " \
+                                       "('out.bias', (2,), 'torch.float32', True, 'meta')" + fix
+    assert first["count"] == ("ValueError: the module's parameters differ across ranks (name, shape, dtype, "
+                              "requires_grad or device type); this rank has 4 parameters, rank 1 has 6" + fix)
     assert second["count"].endswith("this rank has 6 parameters, rank 0 has 4" + fix)
-    assert all(second[case].startswith(prefix) for case in ("name", "dtype", "requires_grad")), second
+    assert all(second[case].startswith(prefix) for case in ("name", "dtype", "requires_grad", "device")), second
 
 
 # --- checkpoints: helpers in one process ------------------------------------------------------------------------
