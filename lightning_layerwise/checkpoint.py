@@ -363,17 +363,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def commit(written: Path, path: Path) -> None:
-    """Moves the complete checkpoint ``written`` to ``path``, replacing what was there (Note [checkpoint ownership]
-    Which entries a rank writes and reads follows from the layout alone, described
-    by an :class:`Ownership`: a parameter in the layout is written and read by its
-    owner only (its optimizer state and float32 master with it); everything else
-    (buffers, frozen parameters, the param groups) is written by rank 0 and read by
-    every rank. Without a wrapper (evaluation before any fit) a rank owns everything.
-    The strategy builds one from the wrapper and hands it to
-    :func:`model_entries_to_write`, :func:`read_sharded_checkpoint` and
-    :func:`local_optimizer_state`; nothing here knows of Lightning's loops.
-
-Note [atomic save])."""
+    """Moves the complete checkpoint ``written`` to ``path``, replacing what was there (Note [atomic save])."""
     if written.is_file():
         with open(written, "rb") as f:
             os.fsync(f.fileno())
