@@ -218,41 +218,37 @@ class TensorSlot(NamedTuple):
     dtype: torch.dtype
 
 
+def _map_leaves(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``value`` with ``leaf`` applied to everything that is not a dict, a list or a plain tuple."""
+    if isinstance(value, dict):
+        return {k: _map_leaves(v, leaf) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_map_leaves(v, leaf) for v in value]
+    if type(value) is tuple:
+        return tuple(_map_leaves(v, leaf) for v in value)
+    return leaf(value)
+
+
 def split_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
     """``value`` with each tensor replaced by a :class:`TensorSlot`; the tensors are appended to ``tensors``."""
-    if torch.is_tensor(value):
-        tensors.append(value)
-        return TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
-    if isinstance(value, dict):
-        return {k: split_tensors(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [split_tensors(v, tensors) for v in value]
-    if type(value) is tuple:
-        return tuple(split_tensors(v, tensors) for v in value)
-    return value
+    def slot(leaf: Any) -> Any:
+        if not torch.is_tensor(leaf):
+            return leaf
+        tensors.append(leaf)
+        return TensorSlot(len(tensors) - 1, tuple(leaf.shape), leaf.dtype)
+
+    return _map_leaves(value, slot)
 
 
 def fill_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
     """The inverse of :func:`split_tensors`: each :class:`TensorSlot` replaced by ``tensors[slot.index]``."""
-    if isinstance(value, TensorSlot):
-        return tensors[value.index]
-    if isinstance(value, dict):
-        return {k: fill_tensors(v, tensors) for k, v in value.items()}
-    if isinstance(value, list):
-        return [fill_tensors(v, tensors) for v in value]
-    if type(value) is tuple:
-        return tuple(fill_tensors(v, tensors) for v in value)
-    return value
+    return _map_leaves(value, lambda leaf: tensors[leaf.index] if isinstance(leaf, TensorSlot) else leaf)
 
 
 def _slots(value: Any) -> list[TensorSlot]:
-    if isinstance(value, TensorSlot):
-        return [value]
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [slot for v in value for slot in _slots(v)]
-    return []
+    found: list[TensorSlot] = []
+    _map_leaves(value, lambda leaf: found.append(leaf) if isinstance(leaf, TensorSlot) else None)
+    return found
 
 
 def transfer_device(group=None) -> torch.device:
