@@ -49,6 +49,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -424,7 +425,8 @@ class LayerwiseStrategy(DDPStrategy):
             named["master_weights"] = self._masters.state_dict()
         if self.checkpoint_format == "sharded":
             return named
-        full = ckpt.gather_named_state(named)
+        with self._naming_failures("gathering the optimizer state to rank 0 for a full checkpoint"):
+            full = ckpt.gather_named_state(named)
         return full if full is not None else {"state": {}, "param_groups": named["param_groups"]}
 
     @override
@@ -461,7 +463,19 @@ class LayerwiseStrategy(DDPStrategy):
             state[ckpt.optimizer_key(index)] = named
         checkpoint["layerwise"] = {"format": ckpt.FORMAT, "version": ckpt.FORMAT_VERSION,
                                    "world_size": self.world_size, "bucket_size": self.bucket_size}
-        ckpt.save_sharded(path, state, checkpoint if self.is_global_zero else None)
+        with self._naming_failures(f"saving the sharded checkpoint {str(path)!r}"):
+            ckpt.save_sharded(path, state, checkpoint if self.is_global_zero else None)
+
+    @contextlib.contextmanager
+    def _naming_failures(self, phase: str):
+        """Re-raises a failure inside a checkpoint collective with the phase and this rank named."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:
+            raise ckpt.CheckpointError(
+                f"{phase} failed on rank {self.global_rank} of {self.world_size} ({type(error).__name__}: "
+                f"{str(error)[:300]}). If another rank died or hung, its log has the first error. The previous "
+                "checkpoint is intact: saves are written aside and renamed into place when complete.") from error
 
     def _ownership(self) -> ckpt.Ownership:
         """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in checkpoint.py)."""

@@ -181,6 +181,9 @@ def assert_every_rank_failed(launch: Launch, survivor: int, dead: int, phase: st
         # second time on top of the original traceback (it abandons the failed collectives).
         assert re.search(r"CollectiveError: the (gradient reduce-scatter|parameter all-gather)", err), err[-4000:]
         assert "During handling of the above exception" not in err, err[-6000:]
+    else:  # the checkpoint saves name what failed and that the previous checkpoint is intact
+        assert re.search(r"CheckpointError: (saving the sharded checkpoint|gathering the optimizer state to rank 0 "
+                         r"for a full checkpoint) .*failed on rank 0 of 2", err), err[-4000:]
     summary = {
         "phase": phase, "dead": dead, "where": died["where"],
         "exit_codes": launch.returncodes,
@@ -336,7 +339,7 @@ def test_a_hung_rank_fails_the_survivor_after_the_collective_timeout(tmp_path):
 # --- a checkpoint written before the death resumes to the uninterrupted result -----------
 
 
-@pytest.mark.parametrize("phase", ["save_sharded", "save_full", "optimizer_step", "all_gather"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer_step", "all_gather", "save_sharded", "save_full"])
 def test_resuming_after_a_death_matches_the_uninterrupted_run(tmp_path, deaths, uninterrupted, phase):
     death = deaths(phase)
     assert death.died() is not None, f"rank 1 did not die in {phase}"
