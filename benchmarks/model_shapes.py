@@ -42,7 +42,7 @@ Note [DeepSeek-V3 approximations]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -72,6 +72,13 @@ class ModelShapes:
     def uses_muon(self, spec: ParamSpec) -> bool:
         """Whether Note [routing in the shapes] sends ``spec`` to Muon."""
         return len(spec.shape) >= 2 and spec.name not in self.adamw_matrices
+
+    def routed_specs(self, fill: bool = True) -> tuple[ParamSpec, ...]:
+        """The specs as ``LayerwiseStrategy`` plans them for ``lightning_layerwise.Muon``: the AdamW
+        parameters marked element-wise (split across shards) unless ``fill`` is off."""
+        if not fill:
+            return self.specs
+        return tuple(replace(s, elementwise=not self.uses_muon(s)) for s in self.specs)
 
     @property
     def muon_matrices(self) -> int:

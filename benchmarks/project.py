@@ -123,11 +123,13 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
     """Per-rank time and memory of the three configurations at ``dp`` ranks."""
     seconds = {s.name: update_seconds(model, s, hw) for s in model.specs}
     by_name = {s.name: s for s in model.specs}
-    layout = plan_layout(model.specs, dp, bucket_size, cost=lambda s: seconds[s.name])
-    owned_s, owned_state = [0.0] * dp, [0] * dp
+    layout = plan_layout(model.routed_specs(), dp, bucket_size, cost=lambda s: seconds[s.name])
+    owned_s, owned_state = [0.0] * dp, [0.0] * dp
     for name, slot in layout.params.items():
-        owned_s[slot.owner] += seconds[name]
-        owned_state[slot.owner] += state_bytes(model, by_name[name], muon=True)
+        for piece in slot.pieces:  # AdamW parameters are split across ranks (element-wise fill)
+            share = piece.numel / slot.numel
+            owned_s[piece.owner] += seconds[name] * share
+            owned_state[piece.owner] += state_bytes(model, by_name[name], muon=True) * share
     numel = model.numel
     ns_all = sum(seconds[s.name] for s in model.specs)
     adamw_all = numel * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s

@@ -87,10 +87,11 @@ import os
 import pickle
 import re
 import shutil
+from collections import defaultdict
 from itertools import chain
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -107,30 +108,184 @@ class Ownership:
     """What this rank writes to and reads from a checkpoint; see Note [checkpoint ownership]."""
 
     sharded: frozenset
-    """Tensors in the layout: each written and read by its owner only."""
+    """Tensors in the layout (parameters and this rank's pieces of split ones): each has owners."""
     owned: frozenset
-    """The tensors this rank owns: its sharded parameters and their float32 masters."""
+    """What this rank steps (whole parameters, pieces, float32 masters), and the split parameters it
+    steps a piece of: it reads all of those."""
+    written: frozenset
+    """The tensors in the layout this rank writes: its whole parameters and pieces, and a split
+    parameter's full value when this rank steps its first piece. Each is written by one rank."""
     owned_names: frozenset
-    """Names of the owned parameters (optimizer state and masters are keyed by them)."""
+    """Names of the parameters this rank steps, whole or in part (optimizer state and masters are keyed by them)."""
     writes_shared: bool
     """Whether this rank writes what lies outside the layout (rank 0)."""
+    split: Mapping[str, Any] = field(default_factory=dict)
+    """The layout slot of every split parameter, by name (Note [pieces in checkpoints])."""
+    rank: int = 0
+    """This rank's index among the owners (the data-parallel rank)."""
 
     @classmethod
     def of(cls, wrapper, names: Mapping[torch.Tensor, str], is_global_zero: bool,
            masters: Iterable[torch.Tensor] = ()) -> "Ownership":
         """From a :class:`~lightning_layerwise.LayerwiseDataParallel` (``None``: this rank owns everything)."""
         if wrapper is None:
-            return cls(frozenset(), frozenset(names), frozenset(names.values()), is_global_zero)
-        owned = list(wrapper.owned_parameters())
-        return cls(frozenset(p for p, _ in wrapper.named_parameters_in_layout()), frozenset(owned + list(masters)),
-                   frozenset(name for name, _ in wrapper.named_owned_parameters()), is_global_zero)
+            return cls(frozenset(), frozenset(names), frozenset(), frozenset(names.values()), is_global_zero)
+        rank, slots = wrapper.dp_rank, wrapper.layout.params
+        in_layout = [p for p, _ in wrapper.named_parameters_in_layout()]
+        stepped = list(wrapper.owned_parameters())  # whole parameters and pieces
+        split = {n: slots[n] for p, n in wrapper.named_parameters_in_layout() if slots[n].split}
+        partly = [p for p, n in wrapper.named_parameters_in_layout() if n in split and wrapper.shard_of(p) is not None]
+        first = [p for p in partly if split[names[p]].pieces[0].owner == rank]
+        return cls(frozenset(in_layout + stepped), frozenset(stepped + partly + list(masters)),
+                   frozenset(stepped + first + list(masters)),
+                   frozenset(name for name, _ in wrapper.named_owned_parameters()), is_global_zero, split, rank)
 
     def writes(self, tensor: Optional[torch.Tensor]) -> bool:
-        return tensor in self.owned if tensor in self.sharded else self.writes_shared
+        return tensor in self.written if tensor in self.sharded else self.writes_shared
 
     def reads(self, tensor: torch.Tensor) -> bool:
         """Model entries and optimizer state this rank keeps: the owned ones and everything shared."""
         return tensor not in self.sharded or tensor in self.owned
+
+    def piece(self, name: str):
+        """This rank's :class:`~lightning_layerwise.layout.Piece` of split parameter ``name``, or ``None``."""
+        slot = self.split.get(name)
+        return None if slot is None else slot.piece_of(self.rank)
+
+
+# --- pieces of split parameters ------------------------------------------------------------
+#
+# Note [pieces in checkpoints]
+#     A split parameter's optimizer state (and float32 master) exists in pieces, one per
+#     rank that steps part of it (Note [pieces] in data_parallel.py): flat tensors of the
+#     piece's length. A checkpoint never holds pieces: both formats store every per-element
+#     state tensor at the parameter's full shape, as one process would, so a checkpoint is
+#     the same whatever split it was saved from and loads at any other (and into ``ddp``).
+#     The sharded format writes the pieces of one tensor as the shards of a
+#     ``ShardedTensor`` of the full shape (a flat range of a row-major tensor is a few
+#     rectangular boxes, :func:`boxes`); torch.distributed.checkpoint stores them as chunks
+#     of one tensor and reads any other set of boxes from them. The full format gathers the
+#     pieces to rank 0 and joins them. On load, each rank keeps the elements of its piece.
+#     A state value is per-element when it is a tensor with at least one dimension and as
+#     many elements as the piece (AdamW's ``exp_avg``); anything else (``step``) is the same
+#     on every piece's owner and is written once.
+
+
+def boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat elements ``[start, stop)`` of a row-major tensor of ``shape`` as rectangular boxes
+    ``(offsets, sizes)``, in element order; concatenated flat, the boxes are the range."""
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))]
+    row = math.prod(shape[1:])
+    first, begin = divmod(start, row)
+    last, end = divmod(stop, row)
+    if first == last:
+        return [((first, *o), (1, *z)) for o, z in boxes(shape[1:], begin, end)]
+    out = []
+    if begin:
+        out += [((first, *o), (1, *z)) for o, z in boxes(shape[1:], begin, row)]
+        first += 1
+    if last > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
+    if end:
+        out += [((last, *o), (1, *z)) for o, z in boxes(shape[1:], 0, end)]
+    return out
+
+
+def _is_per_element(value: Any, piece) -> bool:
+    return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == piece.numel
+
+
+def piece_sharded_tensor(flat: torch.Tensor, slot, rank: int):
+    """A ``ShardedTensor`` of ``slot``'s full shape whose local shards view ``flat``, this rank's piece
+    (every rank that steps a piece of ``slot`` builds its own; no collective). See Note [pieces in checkpoints]."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    shards_metadata, local = [], []
+    for piece in slot.pieces:
+        cursor = 0
+        for offsets, sizes in boxes(slot.shape, piece.start, piece.stop):
+            metadata = ShardMetadata(list(offsets), list(sizes), f"rank:{piece.owner}/{flat.device}")
+            shards_metadata.append(metadata)
+            if piece.owner == rank:
+                n = math.prod(sizes)
+                local.append(Shard(flat[cursor:cursor + n].view(sizes), metadata))
+                cursor += n
+    properties = TensorProperties(dtype=flat.dtype, layout=flat.layout, requires_grad=False,
+                                  memory_format=torch.contiguous_format, pin_memory=False)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, ShardedTensorMetadata(shards_metadata, torch.Size(slot.shape), properties))
+
+
+def pieces_as_sharded_tensors(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
+    """``named`` (this rank's named optimizer state) with every per-element piece of a split
+    parameter's state and master as a ``ShardedTensor`` of the full shape, for the sharded format."""
+    def convert(name: str, value: Any) -> Any:
+        piece = ownership.piece(name)
+        if piece is None or not _is_per_element(value, piece):
+            return value
+        return piece_sharded_tensor(value.reshape(-1), ownership.split[name], ownership.rank)
+
+    out = dict(named)
+    if "state" in named:
+        out["state"] = {n: {k: convert(n, v) for k, v in entry.items()} for n, entry in named["state"].items()}
+    if "master_weights" in named:
+        out["master_weights"] = {n: convert(n, v) for n, v in named["master_weights"].items()}
+    return out
+
+
+_PIECE_KEY = "__piece__"
+
+
+def mark_pieces(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
+    """Keys this rank's pieces by ``(name, start)`` so that gathering keeps every rank's (full format)."""
+    out = dict(named)
+    for key in _MERGED_KEYS:
+        if key in named:
+            out[key] = {((n, ownership.piece(n).start) if ownership.piece(n) is not None else n): v
+                        for n, v in named[key].items()}
+    return out
+
+
+def join_pieces(merged: dict[str, Any], split: Mapping[str, Any]) -> dict[str, Any]:
+    """Joins the pieces :func:`mark_pieces` keyed into full-shape tensors, keyed by name again."""
+    out = dict(merged)
+    for key in _MERGED_KEYS:
+        if key not in merged:
+            continue
+        entries, pieces = {}, defaultdict(list)
+        for k, v in merged[key].items():
+            if isinstance(k, tuple):
+                pieces[k[0]].append((k[1], v))
+            else:
+                entries[k] = v
+        for name, parts in pieces.items():
+            parts.sort(key=lambda part: part[0])
+            shape = tuple(split[name].shape)
+            if key == "master_weights":
+                entries[name] = torch.cat([v.reshape(-1) for _, v in parts]).reshape(shape)
+                continue
+            joined = {}
+            for k, v in parts[0][1].items():
+                if torch.is_tensor(v) and v.dim() >= 1:
+                    joined[k] = torch.cat([part[k].reshape(-1) for _, part in parts]).reshape(shape)
+                else:
+                    joined[k] = v
+            entries[name] = joined
+        out[key] = dict(sorted(entries.items()))
+    return out
+
+
+def take_piece(value: Any, piece, shape: Sequence[int]) -> Any:
+    """A loaded per-element value cut to ``piece`` (flat); a value already the piece's, or not per-element, as is."""
+    if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape) \
+            and value.numel() != piece.numel:
+        return value.reshape(-1)[piece.start:piece.stop]
+    return value
 
 
 def model_entries_to_write(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
@@ -170,10 +325,13 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[torch
 
 
 def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-                          names: Mapping[torch.Tensor, str], keep: Callable[[torch.Tensor], bool]) -> dict[str, Any]:
+                          names: Mapping[torch.Tensor, str], keep: Callable[[torch.Tensor], bool],
+                          pieces: Optional[Mapping[torch.Tensor, tuple[Any, Sequence[int]]]] = None) -> dict[str, Any]:
     """A saved state dict (named or indexed) as ``optimizer.load_state_dict`` input, state only where ``keep``.
 
-    Raises :class:`CheckpointError` if the param groups do not line up.
+    ``pieces`` maps each piece of a split parameter the optimizer steps to its
+    ``(Piece, full shape)``: its per-element state is cut to the piece (Note [pieces in
+    checkpoints]). Raises :class:`CheckpointError` if the param groups do not line up.
     """
     saved_groups, groups = saved["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(groups):
@@ -191,8 +349,15 @@ def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optim
                                       "groups in the same order as the run that saved it.")
             by_saved_id[saved_id] = p
     local_id = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in groups))}
-    state = {local_id[by_saved_id[k]]: v for k, v in saved["state"].items()
-             if k in by_saved_id and keep(by_saved_id[k])}
+    pieces = pieces or {}
+    state = {}
+    for k, v in saved.get("state", {}).items():
+        if k in by_saved_id and keep(by_saved_id[k]):
+            p = by_saved_id[k]
+            if p in pieces:
+                piece, shape = pieces[p]
+                v = {key: take_piece(value, piece, shape) for key, value in v.items()}
+            state[local_id[p]] = v
     param_groups = [{**sg, "params": [local_id[p] for p in g["params"]]} for sg, g in zip(saved_groups, groups)]
     return {"state": state, "param_groups": param_groups}
 
@@ -323,7 +488,8 @@ def gather_named_state(part: dict[str, Any], group=None) -> Optional[dict[str, A
         parts.append(fill_tensors(skeletons[src], received))
     for key in _MERGED_KEYS:
         if any(key in p for p in parts):
-            merged[key] = dict(sorted(chain.from_iterable(p.get(key, {}).items() for p in parts)))
+            entries = chain.from_iterable(p.get(key, {}).items() for p in parts)
+            merged[key] = dict(sorted(entries, key=lambda kv: repr(kv[0])))  # names, or (name, start) of pieces
     return merged
 
 
@@ -592,6 +758,7 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
                 "the keys that match.")
     entries: dict[tuple, Any] = {(MODEL_KEY, key): tensor.detach() for key, tensor in tensors.items()
                                  if key in saved_keys and ownership.reads(tensor)}
+    pieces: dict[tuple, torch.Tensor] = {}  # optimizer entries read as this rank's piece only
     if n_optimizers:
         saved_optimizers = len({p[0] for p in items if p[0].startswith("optimizer_")})
         if saved_optimizers != n_optimizers:
@@ -606,9 +773,21 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
             if part == "param_groups" or (part in ("state", "master_weights")
                                           and item_path[2] in ownership.owned_names):
                 entries[item_path] = empty_like_item(item)
+                piece = ownership.piece(item_path[2]) if part != "param_groups" else None
+                slot = ownership.split.get(item_path[2]) if piece is not None else None
+                if slot is not None and tuple(getattr(item, "size", ())) == tuple(slot.shape):
+                    # Only this rank's piece is read (Note [pieces in checkpoints]).
+                    flat = torch.empty(piece.numel, dtype=item.properties.dtype)
+                    pieces[item_path] = flat
+                    entries[item_path] = piece_sharded_tensor(flat, slot, ownership.rank)
     state = nest(entries)
     with torch.no_grad():
         load_sharded(path, state, weights_only=weights_only)
+    for item_path, flat in pieces.items():
+        node = state
+        for part in item_path[:-1]:
+            node = node[part]
+        node[item_path[-1]] = flat
     optimizer_states = [state[optimizer_key(i)] for i in range(n_optimizers)] if n_optimizers else None
     return meta, optimizer_states
 

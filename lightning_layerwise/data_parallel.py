@@ -63,6 +63,22 @@ Note [fixed module]
     a collective over a layout that no longer matches. Only identities and
     pointers are compared; no tensor is read.
 
+Note [pieces]
+    A split parameter (Note [element-wise fill] in ``layout.py``) is stepped in
+    pieces: rank ``r`` steps the elements of its :class:`~lightning_layerwise.layout.Piece`,
+    the part of the parameter inside its shard. For that the wrapper makes, per
+    split parameter with a piece here, a flat ``nn.Parameter`` viewing the piece's
+    range of the param buffer (:meth:`LayerwiseDataParallel.shard_of`), and
+    :meth:`LayerwiseDataParallel.use_shards_in` puts it in the optimizer in place of
+    the parameter; its ``.grad`` and ``.main_grad`` are the piece's range of the
+    reduced grad buffer. An element-wise optimizer then computes exactly the
+    elements one process would, and the all-gather spreads them. Whether a piece
+    gets a gradient follows the whole parameter, agreed by one small all-reduce: a
+    piece's own gradient can be all zero while the parameter was used (embedding
+    rows no token looked up), and one process steps all of a used parameter and
+    nothing of an unused one. Clipping, inf checks and norms read the shards, which
+    hold exactly the elements each rank steps, so nothing changes for them.
+
 Note [gradient lifecycle]
     The grad buffer is zeroed lazily by the first forward with grad enabled
     after a step's gradients were handed out (or explicitly by
@@ -152,6 +168,10 @@ class LayerwiseDataParallel(nn.Module):
             :class:`StaleParameterReadError` naming the parameter and poisons other
             ranks' shards with NaN until they arrive (a debugging mode), ``"off"``
             reads whatever the buffer holds (stale; for measurements only).
+        elementwise: which parameters the optimizer updates element-wise (AdamW, SGD…),
+            as a predicate on ``(name, parameter)``; those may be split across shards and
+            stepped in pieces (Note [element-wise fill] in ``layout.py``, Note [pieces]).
+            Default: none, every parameter is owned whole.
     """
 
     def __init__(
@@ -167,6 +187,7 @@ class LayerwiseDataParallel(nn.Module):
         cost: Callable[[ParamSpec], float] = newton_schulz_cost,
         trace: bool = False,
         param_read_guard: ReadGuard = "wait",
+        elementwise: Callable[[str, nn.Parameter], bool] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(bucket_size, int) or bucket_size <= 0:
@@ -193,7 +214,7 @@ class LayerwiseDataParallel(nn.Module):
         self.dp_size = self.process_groups.dp_size
         self.dp_rank = self.process_groups.dp_rank
 
-        specs = param_specs(module)
+        specs = param_specs(module, elementwise=elementwise)
         if not specs:
             raise ValueError(
                 f"{type(module).__name__} has no trainable parameter (none with requires_grad=True); "
@@ -225,7 +246,21 @@ class LayerwiseDataParallel(nn.Module):
         }
         self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
-        self._owned = {p for p, name in self._param_names.items() if self.layout.params[name].owner == self.dp_rank}
+        self._owned = {p for p, name in self._param_names.items()
+                       if not self.layout.params[name].split and self.layout.params[name].owner == self.dp_rank}
+        # Note [pieces]: this rank's piece of each split parameter, as a parameter of its own.
+        self._shards: dict[nn.Parameter, nn.Parameter] = {}
+        self._shard_grad_views: dict[nn.Parameter, torch.Tensor] = {}
+        for p, name in self._param_names.items():
+            slot = self.layout.params[name]
+            piece = slot.piece_of(self.dp_rank) if slot.split else None
+            if piece is None:
+                continue
+            flat = self._flat_buffers[slot.buffer]
+            begin, end = slot.offset + piece.start, slot.offset + piece.stop
+            self._shards[p] = nn.Parameter(flat.params[begin:end], requires_grad=p.requires_grad)
+            self._shard_grad_views[p] = flat.grads[begin:end]
+        self._split = [p for p, name in self._param_names.items() if self.layout.params[name].split]
         self._bucket_by_id = {id(p): b for p, b in self._bucket_of.items()}  # no hashing inside the read guard
         self._guarded = self.param_read_guard != "off"
         if self._guarded:
@@ -258,17 +293,49 @@ class LayerwiseDataParallel(nn.Module):
 
     # --- public queries -------------------------------------------------------------
     def owns(self, param: nn.Parameter) -> bool:
-        """True if this rank steps ``param`` (its whole gradient lands in this rank's shard)."""
+        """True if this rank steps all of ``param`` (its whole gradient lands in this rank's shard)."""
         return param in self._owned
 
     def owned_parameters(self) -> Iterator[nn.Parameter]:
-        return (p for p in self._param_names if p in self._owned)
+        """What this rank steps: its whole parameters and its pieces of split ones (Note [pieces])."""
+        return (n_p[1] for n_p in self.named_owned_parameters())
 
     def named_owned_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return ((n, p) for p, n in self._param_names.items() if p in self._owned)
+        """:meth:`owned_parameters` with the name of the model parameter each is (part of)."""
+        for p, n in self._param_names.items():
+            if p in self._owned:
+                yield n, p
+            elif p in self._shards:
+                yield n, self._shards[p]
+
+    def shard_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        """This rank's piece of a split parameter, as a flat parameter viewing the param buffer
+        (``None`` if ``param`` is not split or this rank steps none of it). See Note [pieces]."""
+        return self._shards.get(param)
+
+    def piece_of(self, param: nn.Parameter):
+        """The :class:`~lightning_layerwise.layout.Piece` of ``param`` this rank steps, or ``None``."""
+        return self.layout.params[self._param_names[param]].piece_of(self.dp_rank) if param in self._param_names \
+            else None
+
+    def use_shards_in(self, optimizer: torch.optim.Optimizer) -> None:
+        """Puts this rank's pieces of split parameters in ``optimizer`` in place of the parameters.
+
+        A split parameter this rank steps none of stays: it never gets a gradient here, so
+        the optimizer skips it. Optimizer state created before the swap follows its parameter
+        (sliced to the piece). See Note [pieces].
+        """
+        for group in optimizer.param_groups:
+            group["params"] = [self._shards.get(p, p) for p in group["params"]]
+        for p, shard in self._shards.items():
+            if p in optimizer.state:
+                piece = self.piece_of(p)
+                optimizer.state[shard] = {k: v.reshape(-1)[piece.start:piece.stop].clone()
+                                          if torch.is_tensor(v) and v.shape == p.shape and v.dim() else v
+                                          for k, v in optimizer.state.pop(p).items()}
 
     def named_parameters_in_layout(self) -> Iterator[tuple[nn.Parameter, str]]:
-        """Every parameter the layout places (the trainable ones), with its name; each has one owner."""
+        """Every parameter the layout places (the trainable ones), with its name."""
         return iter(self._param_names.items())
 
     @property
@@ -346,7 +413,7 @@ class LayerwiseDataParallel(nn.Module):
         for first: its collective reads and writes the buffer being zeroed.
         """
         self._wait_pending_reduces()
-        for p in self._param_names:
+        for p in [*self._param_names, *self._shards.values()]:
             p.grad = None
             if hasattr(p, "main_grad"):
                 del p.main_grad
@@ -420,19 +487,34 @@ class LayerwiseDataParallel(nn.Module):
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
+        used = self._split_parameters_used()
         for param in self._param_names:
+            param.grad = None
             if param in self._owned:
                 main_grad = self._grad_views[param]
                 if param not in self._seen and not main_grad.any():
                     # Unused on every rank: no gradient, as without the wrapper (an optimizer
                     # must not decay or add momentum to a parameter the loss never touched).
-                    param.grad = None
                     continue
-                param.main_grad = main_grad
-                param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
-            else:
-                param.grad = None
+                _hand_out(param, main_grad)
+        for param, shard in self._shards.items():
+            shard.grad = None
+            if used[param]:
+                _hand_out(shard, self._shard_grad_views[param])
         self._grads_handed_out = True
+
+    def _split_parameters_used(self) -> dict[nn.Parameter, bool]:
+        """Whether each split parameter got a gradient on any rank this step (one small all-reduce).
+
+        A piece's own gradient may be zero while the parameter was used (an embedding's
+        rows no token looked up), so every piece follows the whole parameter: all of its
+        pieces are stepped or none, as one process would step it or not.
+        """
+        if not self._split:
+            return {}
+        flags = torch.tensor([p in self._seen for p in self._split], dtype=torch.float32, device=self._device())
+        collectives.all_reduce_max(flags, self.process_groups.dp)
+        return dict(zip(self._split, flags.bool().tolist()))
 
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish_grad_sync`).
@@ -685,10 +767,20 @@ class LayerwiseDataParallel(nn.Module):
                 p.grad = None
                 if hasattr(p, "main_grad"):
                     del p.main_grad
+        for shard in self._shards.values():
+            shard.grad = None
+            shard.data = shard.data.clone()  # no longer a view of the freed buffer
         self._flat_buffers = []
         self._buckets = []
         self._grad_views = {}
+        self._shard_grad_views = {}
         return self.module
+
+
+def _hand_out(param: nn.Parameter, main_grad: torch.Tensor) -> None:
+    """Gives ``param`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype."""
+    param.main_grad = main_grad
+    param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
 
 
 class CollectiveError(RuntimeError):

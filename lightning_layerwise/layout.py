@@ -95,6 +95,39 @@ Note [owner balancing]
     does not fit (first-fit can succeed where it fails), the round keeps its
     first-fit shards.
 
+Note [element-wise fill]
+    Whole ownership pads: a parameter owned whole needs a round of ``dp`` shards
+    of its size, so a model whose largest tensor is a large share of the whole (an
+    embedding) pads most of every buffer at large ``dp`` (Note [shard alignment]).
+    Parameters whose optimizer update is element-wise (``ParamSpec.elementwise``:
+    the AdamW groups of Muon, AdamW, SGD…) need no whole tensor, so the planner
+    places them after the whole ones, in two steps:
+
+    1. *Pour*: largest first, each goes whole into the smallest gap a
+       whole-parameter bucket left (padding inside a shard) that holds it, and only
+       into a bucket whose last parameter in backward order comes at or after it, so
+       that no bucket's gradients complete later than without it.
+    2. *Flat buckets*: the rest are laid back to back in backward order (each on a
+       64-element boundary) into buckets of ``bucket_size`` elements, rounded up to
+       a multiple of ``dp * 64`` and split into ``dp`` equal shards, as a ZeRO-1
+       optimizer splits its buffer. A parameter crossing a shard boundary is split:
+       its :class:`Piece` on each rank is the part inside that rank's shard, and
+       that rank steps that part (Note [pieces] in ``data_parallel.py``).
+
+    The planner also packs the buffer with the element-wise parameters owned whole
+    (as peers and fill of the rounds, as before) and keeps that layout when its
+    buffer is smaller: an embedding the size of the MLP matrices is their peer.
+
+    Every element is then stepped by exactly one rank, every piece lies inside its
+    owner's shard, and a parameter that is not element-wise never crosses a shard
+    boundary. Padding left: what whole parameters leave that no element-wise
+    parameter fits, plus alignment (at most 63 elements per parameter and
+    ``dp * 64`` per flat bucket). An element-wise parameter's cost is its element
+    count whatever ``cost`` says (a piece costs its share). The flat buckets keep
+    backward order among themselves but follow all whole buckets in the buffer;
+    the wrapper orders collectives by each bucket's first parameter, so that only
+    changes when a flat bucket's reduce-scatter can start, never correctness.
+
 Note [backward order]
     Gradients become ready in roughly reverse registration order, so buffers
     are filled from the last registered parameter to the first and buckets are
@@ -106,13 +139,14 @@ Note [backward order]
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import defaultdict
 from itertools import islice
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Callable, Iterable, Iterator, Literal, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -138,6 +172,9 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype = torch.float32
     kind: Kind = "dense"
+    elementwise: bool = False
+    """Its optimizer update is element-wise (AdamW, SGD…), so it may be split across shards
+    (Note [element-wise fill]); otherwise it is owned whole."""
 
     @property
     def numel(self) -> int:
@@ -163,9 +200,21 @@ def numel_cost(spec: ParamSpec) -> float:
     return float(spec.numel)
 
 
+class Piece(NamedTuple):
+    """The elements ``[start, stop)`` of a parameter (flattened) that rank ``owner`` steps."""
+
+    owner: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives: its buffer, bucket, offset and owner."""
+    """Where one parameter lives: its buffer, bucket, offset and owner(s)."""
 
     name: str
     shape: tuple[int, ...]
@@ -173,8 +222,23 @@ class ParamSlot:
     bucket: int
     offset: int
     """First element of the parameter inside its buffer."""
-    owner: int
-    """Rank whose shard holds the whole parameter."""
+    pieces: tuple[Piece, ...]
+    """Who steps which elements, in element order: one piece (the whole parameter) unless the
+    parameter is element-wise and crosses a shard boundary (Note [element-wise fill])."""
+
+    @property
+    def owner(self) -> int:
+        """Rank that steps the parameter's first element (for a whole parameter: all of it)."""
+        return self.pieces[0].owner
+
+    @property
+    def split(self) -> bool:
+        """Whether several ranks step parts of this parameter."""
+        return len(self.pieces) > 1
+
+    def piece_of(self, rank: int) -> Optional[Piece]:
+        """The piece rank ``rank`` steps, if any (a rank has at most one piece of a parameter)."""
+        return next((p for p in self.pieces if p.owner == rank), None)
 
     @property
     def numel(self) -> int:
@@ -237,8 +301,8 @@ class Layout:
         return self.params[name]
 
     def owned_by(self, rank: int) -> tuple[str, ...]:
-        """Names of the parameters rank ``rank`` owns, in layout order."""
-        return tuple(n for n, s in self.params.items() if s.owner == rank)
+        """Names of the parameters rank ``rank`` steps, whole or in part, in layout order."""
+        return tuple(n for n, s in self.params.items() if any(p.owner == rank for p in s.pieces))
 
     @property
     def total_numel(self) -> int:
@@ -259,14 +323,16 @@ class Layout:
         """Optimizer cost each rank carries, by the cost function the plan used."""
         costs = [0.0] * self.dp
         for name, slot in self.params.items():
-            costs[slot.owner] += self.costs[name]
+            for piece in slot.pieces:  # a split (element-wise) parameter's cost is per element
+                costs[piece.owner] += self.costs[name] * piece.numel / slot.numel
         return costs
 
     def rank_numels(self) -> list[int]:
         """Parameter elements each rank owns (its share of optimizer state)."""
         numels = [0] * self.dp
         for slot in self.params.values():
-            numels[slot.owner] += slot.numel
+            for piece in slot.pieces:
+                numels[piece.owner] += piece.numel
         return numels
 
     @property
@@ -330,11 +396,12 @@ def plan_layout(
 ) -> Layout:
     """Plans buffers, buckets, shards and owners for ``specs`` given in registration order.
 
-    See the notes in this module's docstring for the guarantees.
+    See the notes in this module's docstring for the guarantees. ``cost`` weighs
+    the parameters owned whole; an element-wise one costs its element count.
     """
     specs = list(specs)
     _validate(specs, dp, bucket_size)
-    costs = {s.name: float(cost(s)) for s in specs}
+    costs = {s.name: float(numel_cost(s) if s.elementwise else cost(s)) for s in specs}
 
     # One buffer per (dtype, kind), in order of first appearance.
     groups: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
@@ -345,15 +412,145 @@ def plan_layout(
     slots: dict[str, ParamSlot] = {}
     rank_cost = [0.0] * dp  # carried across buffers, see Note [owner balancing]
     for buffer_index, ((dtype, kind), members) in enumerate(groups.items()):
-        buckets, placed, rank_cost = _plan_buffer(list(reversed(members)), dp, bucket_size, costs, rank_cost)
+        queue = list(reversed(members))  # backward order
+        buckets, located, pieces, rank_cost = _plan_buffer_with_fill(queue, dp, bucket_size, costs, rank_cost)
         by_name = {s.name: s for s in members}
-        for name, (bucket_index, offset, owner) in placed.items():
-            slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, owner)
+        for name, (bucket_index, offset) in located.items():
+            slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, pieces[name])
         numel = buckets[-1].end if buckets else 0
         buffers.append(BufferPlan(buffer_index, dtype, kind, numel, tuple(buckets)))
 
     ordered = {s.name: slots[s.name] for s in specs}
     return Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
+
+
+def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+                           rank_cost: list[float]):
+    """One buffer (``queue`` in backward order): whole parameters packed, element-wise ones poured
+    into the gaps and the rest in flat buckets (Note [element-wise fill]). Returns the buckets, per
+    name ``(bucket, offset)`` and pieces, and the rank costs after this buffer.
+
+    Packing the element-wise parameters whole, as peers and fill of the rounds, sometimes pads
+    less (an embedding as large as the MLP matrices is their peer); both are planned and the one
+    with the smaller buffer is kept, the split one on a tie.
+    """
+    def plan(whole: list[ParamSpec], elementwise: list[ParamSpec]):
+        cost = list(rank_cost)
+        buckets, placed, cost = _plan_buffer(whole, dp, bucket_size, costs, cost) if whole else ([], {}, cost)
+        numel = {s.name: s.numel for s in queue}
+        pieces = {name: (Piece(owner, 0, numel[name]),) for name, (_, _, owner) in placed.items()}
+        located = {name: (bucket, offset) for name, (bucket, offset, _) in placed.items()}
+        if elementwise:
+            buckets, rest = _pour(buckets, elementwise, queue, located, pieces, cost, costs)
+            start = buckets[-1].end if buckets else 0
+            buckets = buckets + _plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs)
+        return buckets, located, pieces, cost
+
+    elementwise = [s for s in queue if s.elementwise]
+    filled = plan([s for s in queue if not s.elementwise], elementwise)
+    if not elementwise or dp == 1:
+        return filled
+    whole = plan(queue, [])
+    return whole if whole[0][-1].end < filled[0][-1].end else filled
+
+
+def _pour(buckets: list[BucketPlan], elementwise: list[ParamSpec], queue: list[ParamSpec],
+          located: dict[str, tuple[int, int]], pieces: dict[str, tuple[Piece, ...]], rank_cost: list[float],
+          costs: Mapping[str, float]) -> tuple[list[BucketPlan], list[ParamSpec]]:
+    """Places element-wise parameters whole into the padding of the whole-parameter buckets.
+
+    Largest first, each into the smallest gap that holds it, and only into a bucket
+    whose gradients complete no earlier without it (its last parameter in backward
+    order comes at or after the poured one), so no reduce-scatter waits longer.
+    Returns the buckets with the poured parameters added and the parameters left
+    for the flat buckets. See Note [element-wise fill].
+    """
+    if not buckets:
+        return buckets, elementwise
+    position = {s.name: i for i, s in enumerate(queue)}
+    numel = {s.name: s.numel for s in queue}
+    gaps: list[tuple[int, int, int, int]] = []  # (length, offset, bucket, rank)
+    completes = []  # per bucket: backward position of its last parameter
+    for b in buckets:
+        completes.append(max(position[n] for n in b.params))
+        taken = sorted((located[n][1], located[n][1] + aligned(numel[n])) for n in b.params)
+        for rank in range(b.dp):
+            lo, hi = b.shard_range(rank)
+            cursor = lo
+            for begin, end in taken:
+                if end <= lo or begin >= hi:
+                    continue
+                if begin > cursor:
+                    gaps.append((begin - cursor, cursor, b.index, rank))
+                cursor = max(cursor, end)
+            if hi > cursor:
+                gaps.append((hi - cursor, cursor, b.index, rank))
+    if not gaps:
+        return buckets, elementwise
+    gaps.sort()
+    added: dict[int, list[str]] = defaultdict(list)
+    rest = []
+    for spec in sorted(elementwise, key=lambda s: (-s.numel, position[s.name])):
+        need = aligned(spec.numel)
+        i = bisect.bisect_left(gaps, (need, -1, -1, -1))
+        while i < len(gaps) and completes[gaps[i][2]] < position[spec.name]:
+            i += 1
+        if i == len(gaps):
+            rest.append(spec)
+            continue
+        length, offset, bucket, rank = gaps.pop(i)
+        located[spec.name] = (bucket, offset)
+        pieces[spec.name] = (Piece(rank, 0, spec.numel),)
+        rank_cost[rank] += costs[spec.name]
+        added[bucket].append(spec.name)
+        if length > need:
+            bisect.insort(gaps, (length - need, offset + need, bucket, rank))
+    rest.sort(key=lambda s: position[s.name])
+    poured = [BucketPlan(b.index, b.start, b.end, b.dp,
+                         tuple(sorted(b.params + tuple(added[b.index]), key=lambda n: located[n][1])))
+              if added[b.index] else b for b in buckets]
+    return poured, rest
+
+
+def _plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, first_index: int,
+               located: dict[str, tuple[int, int]], pieces: dict[str, tuple[Piece, ...]], rank_cost: list[float],
+               costs: Mapping[str, float]) -> list[BucketPlan]:
+    """Element-wise parameters packed back to back, in backward order, into buckets split into
+    ``dp`` equal shards; a parameter crossing a shard boundary is stepped in pieces.
+    See Note [element-wise fill]."""
+    buckets: list[BucketPlan] = []
+    members: list[ParamSpec] = []
+    bucket_start = cursor = start
+
+    def close() -> None:
+        nonlocal bucket_start
+        length = aligned(cursor - bucket_start, dp * ALIGNMENT)
+        shard = length // dp
+        for spec in members:
+            offset = located[spec.name][1]
+            owned = []
+            for rank in range(dp):
+                lo = bucket_start + rank * shard
+                a, b = max(offset, lo), min(offset + spec.numel, lo + shard)
+                if a < b:
+                    owned.append(Piece(rank, a - offset, b - offset))
+                    rank_cost[rank] += costs[spec.name] * (b - a) / spec.numel
+            pieces[spec.name] = tuple(owned)
+        buckets.append(BucketPlan(first_index + len(buckets), bucket_start, bucket_start + length, dp,
+                                  tuple(s.name for s in members)))
+        bucket_start += length
+        members.clear()
+
+    for spec in queue:
+        located[spec.name] = (first_index + len(buckets), cursor)
+        members.append(spec)
+        cursor += aligned(spec.numel)
+        if cursor - bucket_start >= bucket_size:
+            close()
+            cursor = bucket_start
+    if members:
+        close()
+    return buckets
 
 
 def _plan_buffer(
@@ -797,15 +994,20 @@ def _balance_round(length: int, members: list[ParamSpec], rank_cost: Sequence[fl
     return assigned
 
 
-def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Parameter], bool] | None = None
-                ) -> list[ParamSpec]:
-    """Specs of ``module``'s trainable parameters in registration order (tied ones once)."""
+def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Parameter], bool] | None = None,
+                elementwise: Callable[[str, torch.nn.Parameter], bool] | None = None) -> list[ParamSpec]:
+    """Specs of ``module``'s trainable parameters in registration order (tied ones once).
+
+    ``expert`` and ``elementwise`` are predicates on ``(name, parameter)`` that mark
+    expert parameters and those whose optimizer update is element-wise.
+    """
     specs = []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
         kind: Kind = "expert" if expert is not None and expert(name, p) else "dense"
-        specs.append(ParamSpec(name, tuple(p.shape), p.dtype, kind))
+        specs.append(ParamSpec(name, tuple(p.shape), p.dtype, kind,
+                               elementwise=bool(elementwise is not None and elementwise(name, p))))
     return specs
 
 

@@ -199,5 +199,9 @@ class MasterWeights:
         for p, master in self.pairs:
             name = self.names[master]
             if name in state:
-                master.copy_(state[name])
+                value = state[name]
+                if value.numel() != master.numel():  # a full master; this rank steps a piece of it
+                    piece = self.wrapper.layout.params[name].piece_of(self.wrapper.dp_rank)
+                    value = value.reshape(-1)[piece.start:piece.stop]
+                master.copy_(value.reshape(master.shape))
         self.write_back()

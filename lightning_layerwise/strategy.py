@@ -26,13 +26,13 @@ import contextlib
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.accelerators import Accelerator, CPUAccelerator, CUDAAccelerator
@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import (
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -57,6 +58,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE
+from .optim.elementwise import elementwise_parameters, resolve_optimizer_classes
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import MasterWeights, layerwise_precision
 from .process_groups import ProcessGroups
@@ -117,6 +119,17 @@ class LayerwiseStrategy(DDPStrategy):
             reduced gradients hold inf or NaN (agreed by one all-reduce), warn, and count it
             in :attr:`skipped_steps`. ``16-mixed`` keeps its grad scaler, which does the
             same and lowers the loss scale. Default ``False``: step anyway, as ``ddp``.
+        elementwise_fill: split the parameters the optimizer updates element-wise (the AdamW
+            groups of :class:`lightning_layerwise.Muon`; ``torch.optim`` AdamW, Adam, SGD…)
+            across shards, so they fill the buckets without padding and each rank steps its
+            piece (Note [element-wise fill] in ``layout.py``). Matrices of Muon groups and
+            parameters of any optimizer not known to be element-wise stay whole. ``False``:
+            every parameter is owned whole.
+        elementwise_optimizers: further optimizer classes (or import paths such as
+            ``"my_package.optim.Lion"``) whose update is element-wise in every param group,
+            so that their parameters may be split too. A promise the library cannot check:
+            an optimizer that looks at a whole tensor (a norm, a trust ratio, a factored
+            second moment) would then be given pieces.
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -137,6 +150,8 @@ class LayerwiseStrategy(DDPStrategy):
         checkpoint_format: Literal["sharded", "full"] = "sharded",
         replica_check_every: Optional[int] = None,
         skip_nonfinite_steps: bool = False,
+        elementwise_fill: bool = True,
+        elementwise_optimizers: Sequence[Union[type, str]] = (),
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -170,9 +185,15 @@ class LayerwiseStrategy(DDPStrategy):
                              "optimizer steps >= 1 (e.g. 100), or None to never check.")
         for name, value in (("overlap_grad_reduce", overlap_grad_reduce),
                             ("separate_all_gather_group", separate_all_gather_group),
-                            ("broadcast_buffers", broadcast_buffers), ("skip_nonfinite_steps", skip_nonfinite_steps)):
+                            ("broadcast_buffers", broadcast_buffers), ("skip_nonfinite_steps", skip_nonfinite_steps),
+                            ("elementwise_fill", elementwise_fill)):
             if not isinstance(value, bool):
                 raise ValueError(f"LayerwiseStrategy({name}={value!r}): pass True or False.")
+        if isinstance(elementwise_optimizers, (str, type)):
+            raise ValueError(f"LayerwiseStrategy(elementwise_optimizers={elementwise_optimizers!r}): pass a list of "
+                             "optimizer classes or import paths, e.g. ['my_package.optim.Lion'].")
+        elementwise_classes = resolve_optimizer_classes(elementwise_optimizers,
+                                                        "LayerwiseStrategy(elementwise_optimizers=...)")
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"LayerwiseStrategy(timeout={timeout!r}): pass a datetime.timedelta, e.g. "
                              "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "
@@ -201,6 +222,8 @@ class LayerwiseStrategy(DDPStrategy):
         self.checkpoint_format = checkpoint_format
         self.replica_check_every = replica_check_every
         self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
+        self.elementwise_fill = elementwise_fill
+        self.elementwise_optimizers = elementwise_classes
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
         self._steps = 0  # optimizer steps this fit, for replica_check_every
@@ -209,6 +232,7 @@ class LayerwiseStrategy(DDPStrategy):
         self._names: dict[torch.Tensor, str] = {}
         self._sync_after_step = False  # complete the all-gather inside optimizer_step (see setup)
         self._groups: Optional[ProcessGroups] = None  # created by configure_ddp, destroyed by teardown
+        self._released_ownership: Optional[ckpt.Ownership] = None  # the last layout's, kept by teardown
 
     # --- accelerators ----------------------------------------------------------------
     @property
@@ -250,6 +274,7 @@ class LayerwiseStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        self._released_ownership = None
         groups = ProcessGroups.create(
             separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
             timeout=self._timeout,
@@ -265,7 +290,20 @@ class LayerwiseStrategy(DDPStrategy):
             grad_reduce_dtype=self._grad_reduce_dtype(),
             broadcast_buffers=self.broadcast_buffers,
             param_read_guard=self.param_read_guard,
+            elementwise=self._elementwise_predicate(),
         )
+        for optimizer in self.optimizers:
+            self.model.use_shards_in(optimizer)
+
+    def _elementwise_predicate(self) -> Optional[Callable[[str, torch.nn.Parameter], bool]]:
+        """Which parameters the layout may split: those the optimizer updates element-wise."""
+        if not self.elementwise_fill or len(self.optimizers) != 1:
+            return None
+        optimizer = self.optimizers[0]
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        elementwise = elementwise_parameters(optimizer, self.elementwise_optimizers)
+        return lambda name, p: p in elementwise
 
     def _half_true(self) -> bool:
         return isinstance(self.precision_plugin, HalfPrecision)
@@ -278,13 +316,29 @@ class LayerwiseStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer) -> None:
-        super().setup(trainer)
+        # DDPStrategy.setup, except that the optimizer is created before the model is wrapped: the
+        # layout splits the parameters the optimizer updates element-wise (elementwise_fill).
+        # Wrapping keeps every parameter object, so the optimizer's references stay valid.
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            self.configure_ddp()
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self._steps = 0
             self._check_optimizers()
             if self._half_true() and self.optimizers:
                 self._masters = MasterWeights(self.wrapper, self.optimizers[0])
-            self._names = _parameter_names(self.lightning_module, self._masters)
+            self._names = _parameter_names(self.lightning_module, self._masters, self.wrapper)
             self._sync_after_step = self._needs_sync_after_step(trainer)
 
     @override
@@ -419,15 +473,18 @@ class LayerwiseStrategy(DDPStrategy):
         """
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        names = self._names or _parameter_names(self.lightning_module, self._masters)
+        names = self._names or _parameter_names(self.lightning_module, self._masters, self.wrapper)
         named = ckpt.named_optimizer_state(optimizer, names)
         if self._masters is not None:
             named["master_weights"] = self._masters.state_dict()
         if self.checkpoint_format == "sharded":
             return named
+        ownership = self._ownership()
         with self._naming_failures("gathering the optimizer state to rank 0 for a full checkpoint"):
-            full = ckpt.gather_named_state(named)
-        return full if full is not None else {"state": {}, "param_groups": named["param_groups"]}
+            full = ckpt.gather_named_state(ckpt.mark_pieces(named, ownership))
+        if full is None:
+            return {"state": {}, "param_groups": named["param_groups"]}
+        return ckpt.join_pieces(full, ownership.split)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
@@ -454,10 +511,11 @@ class LayerwiseStrategy(DDPStrategy):
                              f"filesystem, not {str(filepath)!r}; use checkpoint_format='full' for remote storage.")
         checkpoint = dict(checkpoint)
         tensors = self.lightning_module.state_dict(keep_vars=True)
+        ownership = self._ownership()
         state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(checkpoint.pop("state_dict"), tensors,
-                                                                             self._ownership())}
+                                                                             ownership)}
         for index, named in enumerate(checkpoint.pop("optimizer_states", [])):
-            named = dict(named)
+            named = ckpt.pieces_as_sharded_tensors(named, ownership)
             if not self.is_global_zero:
                 named.pop("param_groups")  # identical on every rank: written once, by rank 0
             state[ckpt.optimizer_key(index)] = named
@@ -477,9 +535,20 @@ class LayerwiseStrategy(DDPStrategy):
                 f"{str(error)[:300]}). If another rank died or hung, its log has the first error. The previous "
                 "checkpoint is intact: saves are written aside and renamed into place when complete.") from error
 
+    def _pieces(self) -> dict[torch.Tensor, tuple[Any, tuple[int, ...]]]:
+        """This rank's piece of each split parameter: ``{piece parameter: (Piece, full shape)}``."""
+        wrapper = self.wrapper
+        if wrapper is None:
+            return {}
+        return {shard: (wrapper.piece_of(p), tuple(p.shape)) for p, _ in wrapper.named_parameters_in_layout()
+                for shard in [wrapper.shard_of(p)] if shard is not None}
+
     def _ownership(self) -> ckpt.Ownership:
         """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in checkpoint.py)."""
-        names = self._names or _parameter_names(self.lightning_module, self._masters)
+        if self.wrapper is None and self._released_ownership is not None:
+            # After fit: the optimizer still steps the pieces of the released layout.
+            return self._released_ownership
+        names = self._names or _parameter_names(self.lightning_module, self._masters, self.wrapper)
         masters = [m for _, m in self._masters.pairs] if self._masters is not None else []
         return ckpt.Ownership.of(self.wrapper, names, self.is_global_zero, masters)
 
@@ -547,11 +616,11 @@ class LayerwiseStrategy(DDPStrategy):
         if len(states) != len(self.optimizers):
             raise ckpt.CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
                                        f"configures {len(self.optimizers)}.")
-        names = self._names or _parameter_names(self.lightning_module, self._masters)
+        names = self._names or _parameter_names(self.lightning_module, self._masters, self.wrapper)
         keep = self._ownership().reads  # another rank steps the rest: state exists once in the world
-
+        pieces = self._pieces()
         for optimizer, saved in zip(self.optimizers, states):
-            local = ckpt.local_optimizer_state(saved, optimizer, names, keep)
+            local = ckpt.local_optimizer_state(saved, optimizer, names, keep, pieces)
             local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off the mmap'd file
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, self.root_device)
@@ -567,6 +636,8 @@ class LayerwiseStrategy(DDPStrategy):
         failing = sys.exc_info()[0] is not None
         wrapper = self.wrapper
         if wrapper is not None:
+            # A checkpoint saved after fit (trainer.save_checkpoint) still needs who stepped what.
+            self._released_ownership = self._ownership()
             try:
                 wrapper.release()
             except Exception:
@@ -625,9 +696,12 @@ def _is_compiled(module) -> bool:
     return optimized is not None and any(isinstance(m, optimized) for m in module.modules())
 
 
-def _parameter_names(module: torch.nn.Module, masters: Optional[MasterWeights]) -> dict[torch.Tensor, str]:
-    """Every parameter (and float32 master) by the name checkpoints use for it."""
+def _parameter_names(module: torch.nn.Module, masters: Optional[MasterWeights],
+                     wrapper: Optional[LayerwiseDataParallel] = None) -> dict[torch.Tensor, str]:
+    """Every parameter (its piece, its float32 master) by the name checkpoints use for it."""
     names: dict[torch.Tensor, str] = {p: n for n, p in module.named_parameters()}
+    if wrapper is not None:
+        names.update((shard, n) for n, shard in wrapper.named_owned_parameters())
     if masters is not None:
         names.update(masters.names)
     return names

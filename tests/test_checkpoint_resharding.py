@@ -123,7 +123,10 @@ def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_0
             opt = trainer.optimizers[0]
             wrapper = getattr(trainer.strategy, "wrapper", None)
             inspected["n_state"] = len(opt.state)
-            inspected["only_owned"] = wrapper is None or all(wrapper.owns(p) for p in opt.state)
+            inspected["state_elements"] = sum(p.numel() for p in opt.state)  # a piece counts its elements
+            stepped = set() if wrapper is None else set(wrapper.owned_parameters())
+            inspected["only_owned"] = wrapper is None or all(p in stepped for p in opt.state)
+            inspected["split"] = [] if wrapper is None else [n for n, s in wrapper.layout.params.items() if s.split]
             inspected["owned"] = None if wrapper is None else len(list(wrapper.owned_parameters()))
             inspected["params_at_start"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
@@ -169,14 +172,16 @@ def saved_params(path: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-@pytest.mark.parametrize("saved_at, resumed_at", [(2, 3), (3, 1), (1, 4)])
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 3), (3, 1), (1, 4), (4, 3), (4, 1)])
 def test_resume_at_another_world_size(tmp_path, fmt, optimizer, saved_at, resumed_at):
     reference = run_distributed(_run_worker, saved_at, optimizer, "layerwise", fmt, str(tmp_path))[0]
     path = str(tmp_path / f"step={STEPS}.ckpt")
     assert os.path.isdir(path) == (fmt == "sharded")
     resumed = run_distributed(_resume_worker, resumed_at, optimizer, "layerwise", fmt, path)
-    n_params = len(list(Net(optimizer).parameters()))
-    assert sum(r["n_state"] for r in resumed) == n_params, "each parameter's state is on exactly one rank"
+    n_elements = sum(p.numel() for p in Net(optimizer).parameters())
+    assert sum(r["state_elements"] for r in resumed) == n_elements, "each element's state is on exactly one rank"
+    if resumed_at > 1 and optimizer == "adamw":  # element-wise fill splits AdamW's parameters
+        assert resumed[0]["split"], "no parameter was split: the pieces' resharding was not exercised"
     for rank, r in enumerate(resumed):
         assert r["only_owned"], f"rank {rank} holds optimizer state of parameters it does not own"
         assert_at_checkpoint(saved_params(path), r, f"{fmt} {saved_at}->{resumed_at} rank {rank}")

@@ -325,3 +325,87 @@ def test_leftover_reservation_never_pads_more(specs, dp):
         plain = planner._search(queue, dp, 10**6, layout.costs, [0.0] * dp, frozenset())
         used = sum(s.numel for s in members)
         assert buf.numel - used <= plain.padding + sum(aligned(s.numel) - s.numel for s in members)
+
+
+# --- element-wise fill (Note [element-wise fill]) ----------------------------------------------
+
+
+@st.composite
+def mixed_spec_lists(draw, max_params=40):
+    """Parameters of which some are element-wise (may be split) and the rest owned whole."""
+    n = draw(st.integers(1, max_params))
+    return [ParamSpec(f"p{i}", draw(shapes), draw(dtypes), draw(kinds), elementwise=draw(st.booleans()))
+            for i in range(n)]
+
+
+def check_fill_invariants(specs: list[ParamSpec], layout) -> None:
+    dp = layout.dp
+    by_name = {s.name: s for s in specs}
+    assert set(layout.params) == set(by_name)
+    for buf in layout.buffers:
+        covered = 0
+        intervals = []
+        for bi, bucket in enumerate(buf.buckets):
+            assert bucket.index == bi and bucket.start == covered, "buckets tile the buffer contiguously"
+            covered = bucket.end
+            assert bucket.numel > 0 and bucket.numel % (dp * ALIGNMENT) == 0, "equal, aligned shards"
+            for name in bucket.params:
+                slot, spec = layout.params[name], by_name[name]
+                assert slot.buffer == buf.index and slot.bucket == bucket.index
+                assert slot.offset % ALIGNMENT == 0
+                intervals.append((slot.offset, slot.end, name))
+                # every element is stepped by exactly one rank, each piece inside its owner's shard
+                assert slot.pieces[0].start == 0 and slot.pieces[-1].stop == spec.numel
+                for a, b in zip(slot.pieces, slot.pieces[1:]):
+                    assert a.stop == b.start, f"{name}: pieces are not contiguous"
+                assert all(p.numel > 0 for p in slot.pieces)
+                assert len({p.owner for p in slot.pieces}) == len(slot.pieces), "one piece per rank"
+                for piece in slot.pieces:
+                    lo, hi = bucket.shard_range(piece.owner)
+                    assert lo <= slot.offset + piece.start and slot.offset + piece.stop <= hi, f"{name} crosses"
+                if not spec.elementwise:
+                    assert not slot.split, f"{name} is owned whole: it may not cross a shard boundary"
+        assert covered == buf.numel
+        intervals.sort()
+        for (_, a1, a), (b0, _, b) in zip(intervals, intervals[1:]):
+            assert a1 <= b0, f"{a} and {b} overlap"
+    assert sum(layout.rank_numels()) == sum(s.numel for s in specs)
+    assert 0.0 <= layout.padding_fraction < 1.0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=mixed_spec_lists(), dp=st.integers(1, 64), bucket_size=st.integers(1, 50_000))
+def test_fill_invariants_random(specs, dp, bucket_size):
+    check_fill_invariants(specs, plan_layout(specs, dp, bucket_size))
+
+
+@settings(max_examples=80, deadline=None)
+@given(numels=st.lists(st.integers(1, 5000), min_size=1, max_size=30), dp=st.integers(1, 64))
+def test_element_wise_parameters_alone_pad_only_for_alignment(numels, dp):
+    """Only element-wise parameters: a ZeRO-1 layout, padded only to align parameters and shards."""
+    specs = [ParamSpec(f"p{i}", (n,), elementwise=True) for i, n in enumerate(numels)]
+    layout = plan_layout(specs, dp)
+    assert len(layout.buffers[0].buckets) == 1
+    ideal = sum(aligned(n) for n in numels)
+    assert layout.total_numel == aligned(ideal, dp * ALIGNMENT)
+    numels_per_rank = layout.rank_numels()
+    assert max(numels_per_rank) - min(numels_per_rank) <= layout.total_numel // dp
+
+
+def test_a_parameter_split_across_three_ranks():
+    specs = [ParamSpec("emb", (100, 30), elementwise=True), ParamSpec("w", (30, 30))]
+    layout = plan_layout(specs, 4)
+    emb = layout.params["emb"]
+    assert len(emb.pieces) >= 3 and [p.owner for p in emb.pieces] == sorted(p.owner for p in emb.pieces)
+    assert not layout.params["w"].split
+
+
+def test_element_wise_fill_pours_small_parameters_into_matrix_padding():
+    """A bias that fits the padding of a matrix bucket completing no earlier goes there, whole."""
+    specs = [ParamSpec("a", (64, 64)), ParamSpec("a_bias", (64,), elementwise=True), ParamSpec("b", (64, 64)),
+             ParamSpec("c", (64, 64))]
+    layout = plan_layout(specs, 2)  # three equal matrices on two ranks: one round has a free shard
+    bias = layout.params["a_bias"]
+    assert not bias.split and layout.buffers[0].buckets[bias.bucket].params != ("a_bias",)
+    whole_only = plan_layout([s for s in specs if s.name != "a_bias"], 2)
+    assert layout.total_numel == whole_only.total_numel, "the bias cost no buffer space"

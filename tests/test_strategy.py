@@ -376,3 +376,80 @@ class CustomPrecision(Precision):
 def test_unsupported_precision_plugin_is_rejected_at_trainer_construction():
     with pytest.raises(ValueError, match=r"does not support the precision plugin CustomPrecision.*precision='32-true'"):
         L.Trainer(accelerator="cpu", devices=1, strategy=llw.LayerwiseStrategy(), plugins=[CustomPrecision()])
+
+
+# --- element-wise fill settings -----------------------------------------------------------------
+
+
+class SignSGD(torch.optim.Optimizer):
+    """An optimizer the library does not know: element-wise, but only the user can say so."""
+
+    def __init__(self, params, lr: float = 1e-2):
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad.sign(), alpha=-group["lr"])
+        return loss
+
+
+class SignRegressor(Regressor):
+    def configure_optimizers(self):
+        return SignSGD(self.parameters())
+
+
+def _fill_settings_worker(rank, world):
+    out = {}
+    for label, model_cls, kwargs in [
+        ("default", Regressor, {}),
+        ("off", Regressor, {"elementwise_fill": False}),
+        ("unknown", SignRegressor, {}),
+        ("declared", SignRegressor, {"elementwise_optimizers": [f"{__name__}.SignSGD"]}),
+    ]:
+        splits = []
+
+        class Inspect(L.Callback):
+            def on_train_start(self, trainer, pl_module):
+                splits.extend(n for n, s in trainer.strategy.wrapper.layout.params.items() if s.split)
+
+        params = {}
+        for strategy in ("ddp", llw.LayerwiseStrategy(bucket_size=512, **kwargs)):
+            model = model_cls()
+            train, _ = loaders()
+            callbacks = [Inspect()] if strategy != "ddp" else []
+            L.Trainer(accelerator="cpu", devices=WORLD, strategy=strategy, max_steps=6, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks).fit(model, train)
+            params[str(strategy)[:3]] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out[label] = {"split": splits, "err": max(rel_err(params["ddp"][n], v) for n, v in params["<li"].items())}
+    return out
+
+
+@pytest.mark.slow
+def test_elementwise_fill_follows_the_optimizer_and_the_strategy_arguments():
+    """AdamW's parameters are split by default; `elementwise_fill=False` and an unknown optimizer keep
+    whole ownership; `elementwise_optimizers` declares one. Every setting equals `ddp`."""
+    result = run_distributed(_fill_settings_worker, WORLD)[0]
+    assert result["default"]["split"] and result["declared"]["split"]
+    assert result["off"]["split"] == [] and result["unknown"]["split"] == []
+    for label, r in result.items():
+        assert r["err"] <= 1e-5, (label, r["err"])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"elementwise_fill": "yes"}, "elementwise_fill='yes'"),
+    ({"elementwise_optimizers": "torch.optim.AdamW"}, "pass a list"),
+    ({"elementwise_optimizers": ["Lion"]}, "'Lion' is not an optimizer class"),
+    ({"elementwise_optimizers": ["no_such_package.Lion"]}, "cannot import 'no_such_package.Lion'"),
+    ({"elementwise_optimizers": ["math.pi"]}, "'math.pi' is float, not a class"),
+])
+def test_bad_elementwise_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llw.LayerwiseStrategy(**kwargs)

@@ -1,5 +1,6 @@
 """Optimizers for layer-wise training: Muon for matrices, AdamW for the rest, and the rule that splits them."""
 
+from lightning_layerwise.optim.elementwise import ELEMENTWISE_OPTIMIZERS, elementwise_parameters
 from lightning_layerwise.optim.muon import (
     DEFAULT_NS_BATCH_BYTES,
     NS_SCHEDULES,
@@ -16,10 +17,12 @@ from lightning_layerwise.optim.param_groups import describe_param_groups, muon_p
 
 __all__ = [
     "DEFAULT_NS_BATCH_BYTES",
+    "ELEMENTWISE_OPTIMIZERS",
     "NS_SCHEDULES",
     "Muon",
     "adjust_lr_scale",
     "describe_param_groups",
+    "elementwise_parameters",
     "muon_param_groups",
     "muon_step",
     "muon_update",
