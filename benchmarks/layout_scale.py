@@ -1,28 +1,36 @@
-"""The layout planner at scale, simulated: padding, Newton–Schulz balance and planning time.
+"""The layout planner at scale, simulated: padding, memory, communication, Newton–Schulz balance, planning time.
 
 Run (about a minute on 2 CPU cores; shapes only, no weights, no processes):
 
     .venv/bin/python benchmarks/layout_scale.py
     .venv/bin/python benchmarks/layout_scale.py --models llama3-70b --dp 64 1024 --repeats 5
 
-For every model of ``benchmarks/model_shapes.py`` and every ``dp`` it runs
-``plan_layout`` on the parameter shapes and reports:
+For every model of ``benchmarks/model_shapes.py`` and every ``dp`` it plans the
+layout ``LayerwiseStrategy`` would use with ``lightning_layerwise.Muon`` and its
+defaults: element-wise fill on (the AdamW parameters, i.e. embeddings, head and
+vectors, may be split; Muon matrices are owned whole) and
+``owner_group_size="auto"`` with 8 ranks per node (``choose_owner_group_size``).
+Per row:
 
-* padding: share of buffer elements that hold no parameter, and the floor that
-  whole-parameter ownership sets, ``1 - total / (dp * largest)``;
-* Newton–Schulz balance: the busiest rank's Newton–Schulz cost divided by the
-  lower bound ``max(largest matrix cost, total cost / dp)``. Only the matrices
-  ``muon_param_groups`` sends to Muon carry cost (``min(m, n)^2 * max(m, n)``,
-  the planner's ``newton_schulz_cost``); embeddings, the output head and vectors
-  go to AdamW and carry none. The layout is planned with the cost that matches
-  this routing (Newton–Schulz for Muon matrices, element count for AdamW
-  parameters); ``ns/lb default`` is the same measure for a layout planned with
-  the library's default cost, which counts an embedding as a matrix;
-* planning time: median wall time of ``--repeats`` calls of ``plan_layout``.
+* ``g``: the owner group size ``"auto"`` chose; ``padding``: share of the buffer
+  elements that hold no parameter; ``padding, whole, g = dp``: the same model
+  planned as before both changes (every parameter owned whole, one group);
+* ``memory / ideal``: the busiest rank's bytes (param buffer in bf16, grad buffer in
+  fp32, padding included, plus optimizer state of what it steps: 8 bytes per Muon
+  element, momentum and a float32 master; 12 per AdamW element, two moments and a
+  master) against an ideal element-wise ZeRO-1 without padding at the same world
+  size (the same buffers unpadded, plus the state divided evenly over ``dp``);
+* ``bytes / ddp``: bytes each rank sends per step in ring collectives
+  (reduce-scatter and all-gather inside the owner group, all-reduce of the owned
+  shard across groups) against ``ddp``'s all-reduce of the gradients, with
+  gradients and parameters in the same dtype (the README's claim);
+* ``NS / bound``: the busiest rank's Newton–Schulz cost (``min(m,n)^2 max(m,n)`` per
+  Muon matrix) against the bound ``max(largest matrix, total / dp)``;
+* ``plan s``: median seconds of ``choose_owner_group_size`` (which plans every
+  candidate ``g``) over ``--repeats`` runs.
 
-Targets (from the benchmark issue) on rows where ``dp`` is at most the number
-of Muon matrices: padding <= 1%, busiest rank <= 1.10 x the lower bound;
-planning <= 2 s for Llama-3 70B at dp 1024.
+Targets: memory <= 1.05 x ideal, bytes <= 1.05 x ddp, Newton–Schulz <= 1.10 x
+bound, planning <= 2 s, on every row.
 
 Writes ``benchmarks/results/layout_scale.json``, the table into
 ``docs/benchmarks/layout_scale.md`` (between its table markers) and the plot
@@ -47,13 +55,18 @@ from lightning_layerwise.layout import (  # noqa: E402
     DEFAULT_BUCKET_SIZE,
     Layout,
     ParamSpec,
+    choose_owner_group_size,
     newton_schulz_cost,
     plan_layout,
 )
 
-PADDING_TARGET = 0.01
+MEMORY_TARGET = 1.05
+BYTES_TARGET = 1.05
 BALANCE_TARGET = 1.10
 PLANNING_TARGET_S = 2.0
+RANKS_PER_NODE = 8
+PARAM_BYTES, GRAD_BYTES = 2, 4  # bf16 parameters, gradients reduced in fp32
+MUON_STATE_BYTES, ADAMW_STATE_BYTES = 8, 12  # momentum + fp32 master; two moments + fp32 master
 TABLE_START, TABLE_END = "<!-- table:start -->", "<!-- table:end -->"
 
 
@@ -70,8 +83,8 @@ def muon_cost(model: ModelShapes, spec: ParamSpec) -> float:
 
 
 def balance(model: ModelShapes, layout: Layout, dp: int) -> float:
-    """Busiest rank's Newton–Schulz cost over ``max(largest matrix cost, total / dp)``."""
-    per_rank = [0.0] * dp
+    """Busiest rank's Newton–Schulz cost over ``max(largest matrix cost, total / dp)`` (Muon matrices are whole)."""
+    per_rank = [0.0] * layout.dp
     costs = {s.name: muon_cost(model, s) for s in model.specs}
     for name, slot in layout.params.items():
         per_rank[slot.owner] += costs[name]
@@ -79,64 +92,69 @@ def balance(model: ModelShapes, layout: Layout, dp: int) -> float:
     return max(per_rank) / bound
 
 
-def time_planning(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> tuple[Layout, float]:
-    """The layout and the median seconds ``plan_layout`` took over ``repeats`` runs."""
+def memory_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
+    """The busiest rank's bytes against an unpadded element-wise ZeRO-1 at ``dp`` ranks."""
+    muon = {s.name: model.uses_muon(s) for s in model.specs}
+    state = [0.0] * layout.dp
+    for name, slot in layout.params.items():
+        per_element = MUON_STATE_BYTES if muon[name] else ADAMW_STATE_BYTES
+        for piece in slot.pieces:
+            state[piece.owner] += piece.numel * per_element
+    ours = layout.total_numel * (PARAM_BYTES + GRAD_BYTES) + max(state)
+    total_state = sum(s.numel * (MUON_STATE_BYTES if muon[s.name] else ADAMW_STATE_BYTES) for s in model.specs)
+    ideal = model.numel * (PARAM_BYTES + GRAD_BYTES) + total_state / dp
+    return ours / ideal
+
+
+def bytes_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
+    """Ring bytes sent per rank per step against ddp's gradient all-reduce, all in one dtype."""
+    g, replicas, total = layout.dp, dp // layout.dp, layout.total_numel
+    ours = 2 * (g - 1) / g * total + 2 * (replicas - 1) / replicas * total / g  # RS + AG in groups, AR across
+    ddp = 2 * (dp - 1) / dp * model.numel
+    return ours / ddp
+
+
+def time_planning(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> tuple[int, Layout, float]:
+    """The chosen group size, its layout and the median seconds ``choose_owner_group_size`` took."""
     cost = routed_cost(model)
-    times, layout = [], None
+    times, result = [], None
     for _ in range(repeats):
         t0 = time.perf_counter()
-        layout = plan_layout(model.specs, dp, bucket_size, cost)
+        result = choose_owner_group_size(model.routed_specs(), dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
+                                         grad_bytes=GRAD_BYTES)
         times.append(time.perf_counter() - t0)
-    return layout, statistics.median(times)
+    return result[0], result[1], statistics.median(times)
 
 
-def measure(model: ModelShapes, dp: int, bucket_sizes: list[int], repeats: int) -> dict:
-    """One row: padding, balance and planning time at ``dp`` for every bucket size."""
-    total = model.numel
-    largest = max(s.numel for s in model.specs)
-    row = {"model": model.name, "dp": dp, "params": total, "muon_matrices": model.muon_matrices,
-           "padding_floor": max(0.0, 1 - total / (dp * largest)), "buckets": {}}
-    for i, bucket_size in enumerate(bucket_sizes):
-        layout, seconds = time_planning(model, dp, bucket_size, repeats if i == 0 else 1)
-        entry = {"padding": layout.padding_fraction, "ns_balance": balance(model, layout, dp),
-                 "plan_s": seconds, "n_buckets": sum(len(b.buckets) for b in layout.buffers)}
-        if i == 0:
-            default = plan_layout(model.specs, dp, bucket_size)  # the library's default cost
-            entry["ns_balance_default_cost"] = balance(model, default, dp)
-        row["buckets"][str(bucket_size)] = entry
-    row["target_applies"] = dp <= model.muon_matrices
-    return row
+def measure(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> dict:
+    """One row at ``dp`` ranks."""
+    g, layout, seconds = time_planning(model, dp, bucket_size, repeats)
+    before = plan_layout(model.specs, dp, bucket_size, routed_cost(model))  # whole ownership, one group
+    return {"model": model.name, "dp": dp, "params": model.numel, "muon_matrices": model.muon_matrices,
+            "g": g, "padding": layout.padding_fraction, "padding_before": before.padding_fraction,
+            "memory_ratio": memory_ratio(model, layout, dp), "memory_ratio_before": memory_ratio(model, before, dp),
+            "bytes_ratio": bytes_ratio(model, layout, dp), "bytes_ratio_before": bytes_ratio(model, before, dp),
+            "ns_balance": balance(model, layout, dp), "ns_balance_before": balance(model, before, dp),
+            "plan_s": seconds, "split_params": sum(s.split for s in layout.params.values())}
 
 
-def verdict(row: dict, bucket_size: int) -> str:
-    entry = row["buckets"][str(bucket_size)]
-    if not row["target_applies"]:
-        return "n/a (dp > matrices)"
-    misses = []
-    if entry["padding"] > PADDING_TARGET:
-        misses.append("padding")
-    if entry["ns_balance"] > BALANCE_TARGET:
-        misses.append("balance")
+def verdict(row: dict) -> str:
+    misses = [name for name, value, target in (("memory", row["memory_ratio"], MEMORY_TARGET),
+                                               ("bytes", row["bytes_ratio"], BYTES_TARGET),
+                                               ("NS", row["ns_balance"], BALANCE_TARGET),
+                                               ("plan", row["plan_s"], PLANNING_TARGET_S)) if value > target]
     return "met" if not misses else "missed: " + ", ".join(misses)
 
 
-def table(rows: list[dict], bucket_sizes: list[int]) -> str:
-    base, extra = bucket_sizes[0], bucket_sizes[1:]
-    head = ["model", "dp", "Muon matrices", "padding", "padding floor", "NS busiest / bound",
-            "same, default cost", "plan s"]
-    for b in extra:
-        head += [f"padding @{b / 1e6:g}M", f"NS / bound @{b / 1e6:g}M"]
-    head.append("targets (padding <= 1%, NS <= 1.10)")
+def table(rows: list[dict]) -> str:
+    head = ["model", "dp", "g", "padding", "memory / ideal", "bytes / ddp", "NS / bound", "plan s",
+            "padding, whole, g = dp", "memory / ideal, whole", "bytes / ddp, whole", "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        e = r["buckets"][str(base)]
-        cells = [r["model"], str(r["dp"]), f"{r['muon_matrices']:,}", f"{100 * e['padding']:.2f}%",
-                 f"{100 * r['padding_floor']:.2f}%", f"{e['ns_balance']:.3f}", f"{e['ns_balance_default_cost']:.3f}",
-                 f"{e['plan_s']:.3f}"]
-        for b in extra:
-            x = r["buckets"][str(b)]
-            cells += [f"{100 * x['padding']:.2f}%", f"{x['ns_balance']:.3f}"]
-        cells.append(verdict(r, base))
+        cells = [r["model"], str(r["dp"]), str(r["g"]), f"{100 * r['padding']:.2f}%", f"{r['memory_ratio']:.3f}",
+                 f"{r['bytes_ratio']:.3f}", f"{r['ns_balance']:.3f}", f"{r['plan_s']:.2f}",
+                 f"{100 * r['padding_before']:.2f}%", f"{r['memory_ratio_before']:.2f}",
+                 f"{r['bytes_ratio_before']:.2f}", verdict(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -153,37 +171,40 @@ def write_markdown(path: Path, text: str) -> None:
         path.write_text(f"# Layout at scale (simulated)\n\n{block}\n")
 
 
-def plot(rows: list[dict], bucket_size: int, path: Path) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for name in models:
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
+    panels = [("padding", 100, "padding (% of buffer; dotted: whole ownership, g = dp)", None, True),
+              ("memory_ratio", 1, "busiest rank's memory / ideal ZeRO-1", MEMORY_TARGET, True),
+              ("bytes_ratio", 1, "bytes sent per step / ddp all-reduce", BYTES_TARGET, True),
+              ("ns_balance", 1, "busiest rank's Newton–Schulz / bound", BALANCE_TARGET, False)]
+    for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
         dps = [r["dp"] for r in mine]
-        entries = [r["buckets"][str(bucket_size)] for r in mine]
-        line, = axes[0].plot(dps, [100 * e["padding"] for e in entries], marker="o", label=name)
-        axes[0].plot(dps, [100 * r["padding_floor"] for r in mine], ls=":", color=line.get_color())
-        axes[1].plot(dps, [e["ns_balance"] for e in entries], marker="o", label=name)
-        axes[2].plot(dps, [e["plan_s"] for e in entries], marker="o", label=name)
-    axes[0].axhline(100 * PADDING_TARGET, color="k", lw=0.8, ls="--", label="target 1%")
-    axes[0].set_yscale("symlog", linthresh=0.1)
-    axes[0].set(title="padding (dotted: whole-ownership floor)", ylabel="% of buffer elements", ylim=(0, 120))
-    axes[1].axhline(BALANCE_TARGET, color="k", lw=0.8, ls="--", label="target 1.10")
-    axes[1].set(title="busiest rank's Newton–Schulz cost / lower bound", ylabel="ratio")
-    axes[2].axhline(PLANNING_TARGET_S, color="k", lw=0.8, ls="--", label="target 2 s (70B, dp 1024)")
-    axes[2].set(title="planning time (median)", ylabel="seconds", yscale="log")
-    for ax in axes:
+        for ax, (key, scale, title, target, before) in zip(axes, panels):
+            line, = ax.plot(dps, [scale * r[key] for r in mine], marker="o", label=name)
+            if before:
+                ax.plot(dps, [scale * r[key + "_before"] for r in mine], ls=":", color=line.get_color())
+    for ax, (key, _, title, target, _) in zip(axes, panels):
+        if target is not None:
+            ax.axhline(target, color="k", lw=0.8, ls="--", label=f"target {target}")
+        ax.set_title(title, fontsize=10)
         ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["dp"] for r in rows}), [str(d) for d in sorted({r["dp"] for r in rows})])
+        ticks = sorted({r["dp"] for r in rows})
+        ax.set_xticks(ticks, [str(d) for d in ticks])
         ax.set_xlabel("dp (ranks)")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    axes[0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(f"plan_layout on published model shapes, bucket_size={bucket_size:,} elements")
+    axes[0].set_yscale("symlog", linthresh=1)
+    axes[0].set_ylim(bottom=0)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    axes[3].legend(fontsize=8)
+    fig.suptitle("Layouts of published models: element-wise fill, owner_group_size='auto' (solid) "
+                 "vs whole ownership in one group (dotted)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -194,9 +215,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--dp", type=int, nargs="+", default=[8, 64, 256, 1024])
-    p.add_argument("--bucket-sizes", type=int, nargs="+", default=[DEFAULT_BUCKET_SIZE, 10 * DEFAULT_BUCKET_SIZE],
-                   help="bucket lengths in elements; the first is the main one (default: the library's "
-                        "default and ten times it)")
+    p.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     p.add_argument("--repeats", type=int, default=3, help="planning runs per row; the median is reported")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/layout_scale.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks/layout_scale.md")
@@ -215,25 +234,28 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.models:
         model = model_shapes(name)
         for dp in args.dp:
-            rows.append(measure(model, dp, args.bucket_sizes, args.repeats))
-            e = rows[-1]["buckets"][str(args.bucket_sizes[0])]
-            print(f"{name:>13} dp={dp:<5} padding={100 * e['padding']:6.2f}% ns/bound={e['ns_balance']:.3f} "
-                  f"plan={e['plan_s']:.3f}s", file=sys.stderr, flush=True)
-    text = table(rows, args.bucket_sizes)
+            rows.append(measure(model, dp, args.bucket_size, args.repeats))
+            r = rows[-1]
+            print(f"{name:>13} dp={dp:<5} g={r['g']:<5} padding={100 * r['padding']:6.2f}% "
+                  f"memory={r['memory_ratio']:.3f} bytes={r['bytes_ratio']:.3f} ns={r['ns_balance']:.3f} "
+                  f"plan={r['plan_s']:.2f}s", file=sys.stderr, flush=True)
+    text = table(rows)
     print(text)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.no_write:
         return
     import torch
 
-    meta = {"bucket_sizes": args.bucket_sizes, "repeats": args.repeats, "python": platform.python_version(),
+    meta = {"bucket_size": args.bucket_size, "repeats": args.repeats, "python": platform.python_version(),
             "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-            "padding_target": PADDING_TARGET, "balance_target": BALANCE_TARGET,
-            "cost": "newton_schulz_cost on Muon-routed matrices; plan cost: the same, element count for AdamW params"}
+            "ranks_per_node": RANKS_PER_NODE, "targets": {"memory": MEMORY_TARGET, "bytes": BYTES_TARGET,
+                                                          "ns": BALANCE_TARGET, "plan_s": PLANNING_TARGET_S},
+            "bytes_model": {"param": PARAM_BYTES, "grad": GRAD_BYTES, "muon_state": MUON_STATE_BYTES,
+                            "adamw_state": ADAMW_STATE_BYTES}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     write_markdown(args.markdown, text)
-    plot(rows, args.bucket_sizes[0], args.png)
+    plot(rows, args.png)
     print(f"wrote {args.json}, {args.markdown}, {args.png}", file=sys.stderr)
 
 

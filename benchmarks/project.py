@@ -26,10 +26,13 @@ rate given as a flag; the defaults describe H100 SXM nodes of 8 GPUs:
   bf16 (``--param-bytes 2``).
 
 Configurations: ``layerwise_muon`` (each rank runs Newton–Schulz only on the
-matrices it owns and AdamW on the rest of what it owns; owners from the real
-``plan_layout``, planned with this projection's per-parameter time as cost;
-the busiest rank sets the step; gradients reduce-scattered and parameters
-all-gathered over the whole buffer, padding included), ``ddp_muon`` (every
+matrices it owns and AdamW on its pieces of the rest; the layout is the real
+one of ``LayerwiseStrategy``'s defaults: element-wise fill and the owner group
+size ``g`` of ``choose_owner_group_size``, planned with this projection's
+per-parameter time as cost; the busiest rank sets the step; gradients
+reduce-scattered and parameters all-gathered inside the owner group over the
+whole buffer, padding included, and owned shards all-reduced across the
+``dp / g`` groups), ``ddp_muon`` (every
 rank orthogonalizes every matrix; gradients all-reduced) and ``ddp_adamw``.
 Optimizer state per rank: fp32 master weight + exp_avg + exp_avg_sq (12 bytes)
 per AdamW element, fp32 master weight + momentum (8 bytes) per Muon element,
@@ -53,7 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.layout_scale import write_markdown  # noqa: E402
 from benchmarks.model_shapes import MODELS, ModelShapes, model_shapes  # noqa: E402
-from lightning_layerwise.layout import DEFAULT_BUCKET_SIZE, ParamSpec, plan_layout  # noqa: E402
+from lightning_layerwise.layout import DEFAULT_BUCKET_SIZE, ParamSpec, choose_owner_group_size  # noqa: E402
 
 ADAMW_BYTES_PER_ELEMENT = 30
 MUON_BYTES_PER_ELEMENT = 26
@@ -123,8 +126,9 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
     """Per-rank time and memory of the three configurations at ``dp`` ranks."""
     seconds = {s.name: update_seconds(model, s, hw) for s in model.specs}
     by_name = {s.name: s for s in model.specs}
-    layout = plan_layout(model.routed_specs(), dp, bucket_size, cost=lambda s: seconds[s.name])
-    owned_s, owned_state = [0.0] * dp, [0.0] * dp
+    g, layout = choose_owner_group_size(model.routed_specs(), dp, bucket_size, cost=lambda s: seconds[s.name],
+                                        ranks_per_node=hw.gpus_per_node, grad_bytes=hw.grad_bytes)
+    owned_s, owned_state = [0.0] * g, [0.0] * g
     for name, slot in layout.params.items():
         for piece in slot.pieces:  # AdamW parameters are split across ranks (element-wise fill)
             share = piece.numel / slot.numel
@@ -134,12 +138,17 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
     ns_all = sum(seconds[s.name] for s in model.specs)
     adamw_all = numel * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
     all_reduce = ring_seconds(numel, hw.grad_bytes, dp, hw, 2)
-    rs_ag = (ring_seconds(layout.total_numel, hw.grad_bytes, dp, hw, 1)
-             + ring_seconds(layout.total_numel, hw.param_bytes, dp, hw, 1))
+    # Inside the owner group of g ranks: reduce-scatter and all-gather; across the dp/g groups: all-reduce
+    # of the owned shard (over links as slow as the whole world's).
+    replicas = dp // g
+    rs_ag = (ring_seconds(layout.total_numel, hw.grad_bytes, g, hw, 1)
+             + ring_seconds(layout.total_numel, hw.param_bytes, g, hw, 1))
+    if replicas > 1:
+        rs_ag += 2 * (replicas - 1) / replicas * layout.total_numel / g * hw.grad_bytes / hw.bus_bytes_per_s(dp)
     return {
-        "model": model.name, "dp": dp, "padding": layout.padding_fraction,
+        "model": model.name, "dp": dp, "g": g, "padding": layout.padding_fraction,
         "optimizer_s": {"layerwise_muon": max(owned_s), "ddp_muon": ns_all, "ddp_adamw": adamw_all},
-        "optimizer_s_mean_rank_layerwise": sum(owned_s) / dp,
+        "optimizer_s_mean_rank_layerwise": sum(owned_s) / g,
         "comm_s": {"layerwise_muon": rs_ag, "ddp_muon": all_reduce, "ddp_adamw": all_reduce},
         "optimizer_state_bytes": {
             "layerwise_muon": max(owned_state),
@@ -153,13 +162,13 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
 
 
 def table(rows: list[dict]) -> str:
-    head = ["model", "dp", "padding", "opt ms layerwise_muon", "opt ms ddp_muon", "opt ms ddp_adamw",
+    head = ["model", "dp", "g", "padding", "opt ms layerwise_muon", "opt ms ddp_muon", "opt ms ddp_adamw",
             "comm ms layerwise (RS+AG)", "comm ms ddp (AR)", "opt state GB layerwise_muon",
             "opt state GB ddp_muon", "opt state GB ddp_adamw", "buffers GB layerwise", "buffers GB ddp"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         o, c, m, b = r["optimizer_s"], r["comm_s"], r["optimizer_state_bytes"], r["buffer_bytes"]
-        cells = [r["model"], str(r["dp"]), f"{100 * r['padding']:.1f}%"]
+        cells = [r["model"], str(r["dp"]), str(r["g"]), f"{100 * r['padding']:.1f}%"]
         cells += [f"{1e3 * o[k]:.2f}" for k in CONFIGS]
         cells += [f"{1e3 * c['layerwise_muon']:.0f}", f"{1e3 * c['ddp_adamw']:.0f}"]
         cells += [f"{m[k] / 1e9:.2f}" for k in CONFIGS]

@@ -122,7 +122,12 @@ class Ownership:
     split: Mapping[str, Any] = field(default_factory=dict)
     """The layout slot of every split parameter, by name (Note [pieces in checkpoints])."""
     rank: int = 0
-    """This rank's index among the owners (the data-parallel rank)."""
+    """This rank's position in its owner group: which pieces it steps."""
+    group_ranks: tuple[int, ...] = (0,)
+    """Global ranks of this rank's owner group, by position (where each piece lives)."""
+    writes_state: bool = True
+    """Whether this rank writes its optimizer state: only the first owner group does
+    (Note [owner groups] in process_groups.py); the others hold the same values."""
 
     @classmethod
     def of(cls, wrapper, names: Mapping[torch.Tensor, str], is_global_zero: bool,
@@ -130,15 +135,21 @@ class Ownership:
         """From a :class:`~lightning_layerwise.LayerwiseDataParallel` (``None``: this rank owns everything)."""
         if wrapper is None:
             return cls(frozenset(), frozenset(names), frozenset(), frozenset(names.values()), is_global_zero)
-        rank, slots = wrapper.dp_rank, wrapper.layout.params
+        rank, slots = wrapper.owner_rank, wrapper.layout.params
+        groups = wrapper.process_groups
+        owner_group = groups.owner_group
+        group_ranks = (tuple(dist.get_global_rank(owner_group, r) for r in range(groups.owner_size))
+                       if owner_group is not None else (0,))
+        first_group = groups.replica_rank == 0
         in_layout = [p for p, _ in wrapper.named_parameters_in_layout()]
         stepped = list(wrapper.owned_parameters())  # whole parameters and pieces
         split = {n: slots[n] for p, n in wrapper.named_parameters_in_layout() if slots[n].split}
         partly = [p for p, n in wrapper.named_parameters_in_layout() if n in split and wrapper.shard_of(p) is not None]
         first = [p for p in partly if split[names[p]].pieces[0].owner == rank]
-        return cls(frozenset(in_layout + stepped), frozenset(stepped + partly + list(masters)),
-                   frozenset(stepped + first + list(masters)),
-                   frozenset(name for name, _ in wrapper.named_owned_parameters()), is_global_zero, split, rank)
+        written = stepped + first + list(masters) if first_group else []
+        return cls(frozenset(in_layout + stepped), frozenset(stepped + partly + list(masters)), frozenset(written),
+                   frozenset(name for name, _ in wrapper.named_owned_parameters()), is_global_zero, split, rank,
+                   group_ranks, first_group)
 
     def writes(self, tensor: Optional[torch.Tensor]) -> bool:
         return tensor in self.written if tensor in self.sharded else self.writes_shared
@@ -198,9 +209,10 @@ def _is_per_element(value: Any, piece) -> bool:
     return torch.is_tensor(value) and value.dim() >= 1 and value.numel() == piece.numel
 
 
-def piece_sharded_tensor(flat: torch.Tensor, slot, rank: int):
-    """A ``ShardedTensor`` of ``slot``'s full shape whose local shards view ``flat``, this rank's piece
-    (every rank that steps a piece of ``slot`` builds its own; no collective). See Note [pieces in checkpoints]."""
+def piece_sharded_tensor(flat: torch.Tensor, slot, rank: int, group_ranks: Sequence[int]):
+    """A ``ShardedTensor`` of ``slot``'s full shape whose local shards view ``flat``, the piece of
+    owner ``rank``; the piece of owner ``r`` lives on global rank ``group_ranks[r]`` (every rank that
+    steps a piece of ``slot`` builds its own; no collective). See Note [pieces in checkpoints]."""
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -209,7 +221,7 @@ def piece_sharded_tensor(flat: torch.Tensor, slot, rank: int):
     for piece in slot.pieces:
         cursor = 0
         for offsets, sizes in boxes(slot.shape, piece.start, piece.stop):
-            metadata = ShardMetadata(list(offsets), list(sizes), f"rank:{piece.owner}/{flat.device}")
+            metadata = ShardMetadata(list(offsets), list(sizes), f"rank:{group_ranks[piece.owner]}/{flat.device}")
             shards_metadata.append(metadata)
             if piece.owner == rank:
                 n = math.prod(sizes)
@@ -228,7 +240,7 @@ def pieces_as_sharded_tensors(named: dict[str, Any], ownership: Ownership) -> di
         piece = ownership.piece(name)
         if piece is None or not _is_per_element(value, piece):
             return value
-        return piece_sharded_tensor(value.reshape(-1), ownership.split[name], ownership.rank)
+        return piece_sharded_tensor(value.reshape(-1), ownership.split[name], ownership.rank, ownership.group_ranks)
 
     out = dict(named)
     if "state" in named:
@@ -238,7 +250,12 @@ def pieces_as_sharded_tensors(named: dict[str, Any], ownership: Ownership) -> di
     return out
 
 
-_PIECE_KEY = "__piece__"
+def state_to_write(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
+    """``named`` without its state and masters on a rank outside the first owner group, which holds
+    copies of what the first group writes (Note [owner groups] in process_groups.py)."""
+    if ownership.writes_state:
+        return named
+    return {k: ({} if k in _MERGED_KEYS else v) for k, v in named.items()}
 
 
 def mark_pieces(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
@@ -779,7 +796,7 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
                     # Only this rank's piece is read (Note [pieces in checkpoints]).
                     flat = torch.empty(piece.numel, dtype=item.properties.dtype)
                     pieces[item_path] = flat
-                    entries[item_path] = piece_sharded_tensor(flat, slot, ownership.rank)
+                    entries[item_path] = piece_sharded_tensor(flat, slot, ownership.rank, ownership.group_ranks)
     state = nest(entries)
     with torch.no_grad():
         load_sharded(path, state, weights_only=weights_only)

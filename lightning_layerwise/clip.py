@@ -64,7 +64,7 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0) -> torc
     """
     p = _check_norm_type(norm_type)
     shards = _owned_shards(wrapper)
-    group = wrapper.process_groups.dp
+    group = wrapper.process_groups.owner_group  # each owner group holds the whole gradient once
     if p == 2.0:
         return wrapper.grad_norm_squared().sqrt()
     total = torch.zeros((), dtype=torch.float32, device=shards[0].device)
@@ -153,7 +153,7 @@ def _owned_shards(wrapper: LayerwiseDataParallel) -> list[torch.Tensor]:
             "the gradients are not reduced yet: call wrapper.finish_grad_sync() after the last backward of "
             "the step and before computing a gradient norm or clipping."
         )
-    return [b.grad_data.chunk(wrapper.dp_size)[wrapper.dp_rank] for b in buckets]
+    return [wrapper._own_shard(b) for b in buckets]
 
 
 def _owned_grad_tensors(wrapper: LayerwiseDataParallel) -> list[torch.Tensor]:

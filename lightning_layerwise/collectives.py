@@ -84,6 +84,21 @@ def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, asyn
     return result
 
 
+def all_reduce_bucket(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
+                      average: bool = False) -> Collective:
+    """Sums (with ``average``, averages; Note [averaging]) ``tensor`` over ``group`` in place."""
+    if group is None:
+        return Collective(tensor, None)
+    in_reduction = average and supports_average(group)
+    op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    result = Collective(tensor, work if async_op else None,
+                        divide_by=dist.get_world_size(group) if average and not in_reduction else None)
+    if not async_op:
+        result.wait()
+    return result
+
+
 def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Collective:
     """Fills every shard of ``bucket`` from the rank that owns it, in place (no staging copy)."""
     if group is None:

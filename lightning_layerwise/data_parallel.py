@@ -213,6 +213,9 @@ class LayerwiseDataParallel(nn.Module):
         """Seconds blocked in waits, by collective; ``None``: not timed. See Note [timing communication waits]."""
         self.dp_size = self.process_groups.dp_size
         self.dp_rank = self.process_groups.dp_rank
+        # The layout is planned for the owner group, Note [owner groups] in process_groups.py.
+        self.owner_size = self.process_groups.owner_size
+        self.owner_rank = self.process_groups.owner_rank
 
         specs = param_specs(module, elementwise=elementwise)
         if not specs:
@@ -221,7 +224,7 @@ class LayerwiseDataParallel(nn.Module):
                 "there is nothing to train data-parallel. Unfreeze a parameter or do not wrap the module."
             )
         _check_same_module_on_all_ranks(module, self.process_groups.dp)
-        self.layout: Layout = plan_layout(specs, self.dp_size, bucket_size, cost)
+        self.layout: Layout = plan_layout(specs, self.owner_size, bucket_size, cost)
 
         named = dict(module.named_parameters())
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
@@ -247,13 +250,13 @@ class LayerwiseDataParallel(nn.Module):
         self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
         self._owned = {p for p, name in self._param_names.items()
-                       if not self.layout.params[name].split and self.layout.params[name].owner == self.dp_rank}
+                       if not self.layout.params[name].split and self.layout.params[name].owner == self.owner_rank}
         # Note [pieces]: this rank's piece of each split parameter, as a parameter of its own.
         self._shards: dict[nn.Parameter, nn.Parameter] = {}
         self._shard_grad_views: dict[nn.Parameter, torch.Tensor] = {}
         for p, name in self._param_names.items():
             slot = self.layout.params[name]
-            piece = slot.piece_of(self.dp_rank) if slot.split else None
+            piece = slot.piece_of(self.owner_rank) if slot.split else None
             if piece is None:
                 continue
             flat = self._flat_buffers[slot.buffer]
@@ -315,7 +318,7 @@ class LayerwiseDataParallel(nn.Module):
 
     def piece_of(self, param: nn.Parameter):
         """The :class:`~lightning_layerwise.layout.Piece` of ``param`` this rank steps, or ``None``."""
-        return self.layout.params[self._param_names[param]].piece_of(self.dp_rank) if param in self._param_names \
+        return self.layout.params[self._param_names[param]].piece_of(self.owner_rank) if param in self._param_names \
             else None
 
     def use_shards_in(self, optimizer: torch.optim.Optimizer) -> None:
@@ -466,8 +469,8 @@ class LayerwiseDataParallel(nn.Module):
 
     def _dispatch_reduce(self, bucket: Bucket) -> None:
         # Averaged in the reduction or after it, never by dividing inputs first (Note [averaging]).
-        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, self.process_groups.dp, async_op=True,
-                                                          average=True)
+        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, self.process_groups.owner_group,
+                                                          async_op=True, average=True)
         bucket.grads_state = BucketState.REDUCING
         self._trace("rs_dispatch", bucket)
 
@@ -481,11 +484,22 @@ class LayerwiseDataParallel(nn.Module):
         """
         self.finish_param_sync()
         self._dispatch_ready_reduces(force=True)
+        replica = self.process_groups.replica
         for bucket in self._reduce_order:
             if bucket.reduce is not None:
                 self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
+            if replica is not None:
+                # Note [owner groups]: the owner group's mean, averaged over the owner groups.
+                bucket.reduce = collectives.all_reduce_bucket(self._own_shard(bucket), replica, async_op=True,
+                                                              average=True)
+                self._trace("ar_dispatch", bucket)
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self._wait(bucket.reduce, "all_reduce")
+                bucket.reduce = None
+                self._trace("ar_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
         used = self._split_parameters_used()
         for param in self._param_names:
@@ -516,6 +530,10 @@ class LayerwiseDataParallel(nn.Module):
         collectives.all_reduce_max(flags, self.process_groups.dp)
         return dict(zip(self._split, flags.bool().tolist()))
 
+    def _own_shard(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's shard of ``bucket``'s gradient: after the sync, the mean over every rank."""
+        return bucket.grad_data.chunk(self.owner_size)[self.owner_rank]
+
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish_grad_sync`).
 
@@ -525,9 +543,8 @@ class LayerwiseDataParallel(nn.Module):
         device = self._device()
         bad = torch.zeros((), dtype=torch.float32, device=device)
         for bucket in self._buckets:
-            shard = bucket.grad_data.chunk(self.dp_size)[self.dp_rank]
-            bad = torch.maximum(bad, (~torch.isfinite(shard)).any().float())
-        collectives.all_reduce_max(bad, self.process_groups.dp)
+            bad = torch.maximum(bad, (~torch.isfinite(self._own_shard(bucket))).any().float())
+        collectives.all_reduce_max(bad, self.process_groups.owner_group)  # replicas hold the same shards
         return not bool(bad.item())
 
     def grad_norm_squared(self) -> torch.Tensor:
@@ -538,13 +555,13 @@ class LayerwiseDataParallel(nn.Module):
         """
         device = self._flat_buffers[0].grads.device
         total = torch.zeros((), dtype=torch.float32, device=device)
+        group = self.process_groups.owner_group  # every owner group holds the whole gradient once
         for bucket in self._buckets:
-            shard = bucket.grad_data.chunk(self.dp_size)[self.dp_rank]
-            total += shard.float().square().sum()
+            total += self._own_shard(bucket).float().square().sum()
         if self.comm_wait_seconds is None:
-            return collectives.all_reduce_sum(total, self.process_groups.dp)
+            return collectives.all_reduce_sum(total, group)
         t0 = time.perf_counter()
-        collectives.all_reduce_sum(total, self.process_groups.dp)
+        collectives.all_reduce_sum(total, group)
         self._add_wait("norm_all_reduce", t0)
         return total
 
@@ -581,8 +598,8 @@ class LayerwiseDataParallel(nn.Module):
         """Strict mode: other ranks' shards read NaN until their all-gather lands."""
         if bucket.param_data.is_floating_point():
             with torch.no_grad():
-                for rank, shard in enumerate(bucket.param_data.chunk(self.dp_size)):
-                    if rank != self.dp_rank:
+                for rank, shard in enumerate(bucket.param_data.chunk(self.owner_size)):
+                    if rank != self.owner_rank:
                         shard.fill_(math.nan)
 
     def _on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
@@ -789,6 +806,7 @@ class CollectiveError(RuntimeError):
 
 _PHASES = {
     "reduce_scatter": "gradient reduce-scatter (end of backward)",
+    "all_reduce": "gradient all-reduce across owner groups (end of backward)",
     "all_gather": "parameter all-gather (forward pre-hook, a parameter read, or a sync before eval/checkpoint)",
 }
 

@@ -424,6 +424,78 @@ def plan_layout(
     return Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
 
 
+DEFAULT_STATE_BYTES = 8
+"""Optimizer state per stepped element assumed by :func:`choose_owner_group_size`: AdamW's two
+float32 moments (Muon keeps one; float32 masters of ``bf16-true`` add four)."""
+
+
+def estimated_rank_bytes(layout: Layout, specs: Sequence[ParamSpec], grad_bytes: int | None = None,
+                         state_bytes: int = DEFAULT_STATE_BYTES) -> int:
+    """Bytes one rank holds for ``layout``: the param and grad buffers (padding included) and the
+    optimizer state of the busiest rank's elements. ``grad_bytes``: per gradient element
+    (default: the parameter's)."""
+    dtype = {s.name: s.dtype for s in specs}
+    buffers = sum(b.numel * (b.dtype.itemsize + (grad_bytes or b.dtype.itemsize)) for b in layout.buffers)
+    return buffers + max(layout.rank_numels()) * state_bytes if dtype else buffers
+
+
+def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                            cost: Callable[[ParamSpec], float] = newton_schulz_cost, ranks_per_node: int | None = None,
+                            grad_bytes: int | None = None, state_bytes: int = DEFAULT_STATE_BYTES
+                            ) -> tuple[int, Layout]:
+    """The owner group size ``g`` (a divisor of ``dp``) that needs the least memory per rank, and its layout.
+
+    Note [choosing the owner group size]
+        Each rank holds the param and grad buffers of its owner group's layout,
+        padding included, and the optimizer state of what it steps, about
+        ``1/g`` of the model. A larger ``g`` shrinks the state but pads more once
+        a size class has fewer matrices than ``g`` (whole ownership), so the
+        planner plans every divisor of ``dp`` that could still win and keeps the
+        one with the fewest bytes on the busiest rank (:func:`estimated_rank_bytes`).
+        Candidates are planned in the order of a lower bound on their bytes
+        (each buffer at least its parameters and, if it has a whole parameter,
+        ``g`` times the largest; the state of ``1/g`` of the model), and the search
+        stops at the first bound above the best plan so far. Among sizes within 1%
+        of the best, it takes the largest that divides ``ranks_per_node``, so that
+        reduce-scatters and all-gathers stay inside a node. On one node
+        (``dp <= ranks_per_node``) it keeps one group: there communication is
+        cheap, the layouts of real models pad little at 8 ranks with element-wise
+        fill, and one group spreads Newton–Schulz over every rank, which the memory
+        estimate does not weigh. Pure: every rank computes the same answer.
+    """
+    specs = list(specs)
+    _validate(specs, dp, bucket_size)
+    if ranks_per_node is not None and dp <= ranks_per_node:
+        return dp, plan_layout(specs, dp, bucket_size, cost)
+    numel = sum(s.numel for s in specs)
+    buffers: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
+    for spec in specs:
+        buffers.setdefault((spec.dtype, spec.kind), []).append(spec)
+
+    def floor(g: int) -> int:
+        total = 0
+        for (dtype, _), members in buffers.items():
+            largest_whole = max((aligned(s.numel) for s in members if not s.elementwise), default=0)
+            elements = max(sum(aligned(s.numel) for s in members), g * largest_whole)
+            total += elements * (dtype.itemsize + (grad_bytes or dtype.itemsize))
+        return total + -(-numel // g) * state_bytes
+
+    candidates = sorted((floor(g), -g) for g in range(1, dp + 1) if dp % g == 0)
+    planned: dict[int, tuple[int, Layout]] = {}
+    best = None
+    for bound, negative_g in candidates:
+        if best is not None and bound > best:
+            break
+        g = -negative_g
+        layout = plan_layout(specs, g, bucket_size, cost)
+        planned[g] = (estimated_rank_bytes(layout, specs, grad_bytes, state_bytes), layout)
+        best = min(best, planned[g][0]) if best is not None else planned[g][0]
+    near = [g for g, (b, _) in planned.items() if b <= 1.01 * best]
+    local = [g for g in near if ranks_per_node and ranks_per_node % g == 0]
+    g = max(local) if local else min(planned, key=lambda k: (planned[k][0], -k))
+    return g, planned[g][1]
+
+
 def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
                            rank_cost: list[float]):
     """One buffer (``queue`` in backward order): whole parameters packed, element-wise ones poured
@@ -1012,9 +1084,11 @@ def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Paramet
 
 
 def describe_layout(module: torch.nn.Module, dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                    cost: Callable[[ParamSpec], float] = newton_schulz_cost) -> str:
-    """Plans ``module`` at ``dp`` ranks and returns the layout's summary."""
-    return plan_layout(param_specs(module), dp, bucket_size, cost).summary()
+                    cost: Callable[[ParamSpec], float] = newton_schulz_cost,
+                    elementwise: Callable[[str, torch.nn.Parameter], bool] | None = None) -> str:
+    """Plans ``module`` at ``dp`` ranks and returns the layout's summary (``elementwise``: which
+    parameters may be split, as for :func:`param_specs`)."""
+    return plan_layout(param_specs(module, elementwise=elementwise), dp, bucket_size, cost).summary()
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
@@ -1031,12 +1105,24 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
     parser.add_argument("--cost", choices=["newton_schulz", "numel"], default="newton_schulz")
+    parser.add_argument("--optimizer", choices=["muon", "adamw", "other"], default="muon",
+                        help="which parameters element-wise fill may split, as LayerwiseStrategy decides it: the "
+                             "AdamW groups of lightning_layerwise.Muon (default), every parameter (AdamW, SGD…), "
+                             "or none (an optimizer not known to be element-wise, or elementwise_fill=False)")
     args = parser.parse_args(argv)
     module_name, _, attr = args.model.partition(":")
     model = getattr(importlib.import_module(module_name), attr)()
     cost_fn = newton_schulz_cost if args.cost == "newton_schulz" else numel_cost
+    elementwise = None
+    if args.optimizer == "muon":
+        from .optim.param_groups import route_parameters
+
+        adamw = {r.name for r in route_parameters(model) if not r.use_muon}
+        elementwise = lambda name, p: name in adamw  # noqa: E731
+    elif args.optimizer == "adamw":
+        elementwise = lambda name, p: True  # noqa: E731
     for dp in args.dp:
-        print(describe_layout(model, dp, args.bucket_size, cost_fn))
+        print(describe_layout(model, dp, args.bucket_size, cost_fn, elementwise))
         print()
 
 

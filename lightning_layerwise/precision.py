@@ -201,7 +201,7 @@ class MasterWeights:
             if name in state:
                 value = state[name]
                 if value.numel() != master.numel():  # a full master; this rank steps a piece of it
-                    piece = self.wrapper.layout.params[name].piece_of(self.wrapper.dp_rank)
+                    piece = self.wrapper.layout.params[name].piece_of(self.wrapper.owner_rank)
                     value = value.reshape(-1)[piece.start:piece.stop]
                 master.copy_(value.reshape(master.shape))
         self.write_back()

@@ -22,14 +22,30 @@ class ProcessGroups:
     """Groups for dense (and later expert) data parallelism.
 
     ``None`` for a group means "no communication": a single process.
+
+    Note [owner groups]
+        With ``owner`` set, the data-parallel ranks are split into *owner groups* of
+        ``g`` consecutive ranks (``[0, g)``, ``[g, 2g)``…; consecutive ranks share a
+        node when ``g`` divides the ranks per node). The layout is planned for ``g``
+        ranks: inside its owner group a rank owns what it would own in a world of
+        ``g``, gradients are reduce-scattered and parameters all-gathered inside the
+        group, and each owned shard is then all-reduced across the ``replica`` group
+        (the ranks at the same position in every owner group), as HSDP does.
+        Optimizer state is 1/g of the model per rank and each matrix's Newton–Schulz
+        runs once per owner group.
     """
 
     dp: ProcessGroup | None
-    """Dense data-parallel group: gradient reduce-scatter, norms, broadcasts."""
+    """Every data-parallel rank: broadcasts, cross-rank checks and agreements."""
     dp_all_gather: ProcessGroup | None
-    """Same ranks as ``dp``; parameter all-gathers. May be ``dp`` itself."""
+    """The owner group's ranks (every data-parallel rank without owner groups) on a
+    communicator of their own: parameter all-gathers. May be the owner group itself."""
     expert_dp: ProcessGroup | None = None
     expert_dp_all_gather: ProcessGroup | None = None
+    owner: ProcessGroup | None = None
+    """The owner group (Note [owner groups]); ``None``: ``dp`` is the owner group."""
+    replica: ProcessGroup | None = None
+    """The ranks holding the same shards in the other owner groups; ``None``: one owner group."""
 
     @property
     def dp_size(self) -> int:
@@ -40,8 +56,29 @@ class ProcessGroups:
         return 0 if self.dp is None else dist.get_rank(self.dp)
 
     @property
+    def owner_group(self) -> ProcessGroup | None:
+        """The group gradients are reduce-scattered over and shards are owned in."""
+        return self.owner if self.owner is not None else self.dp
+
+    @property
+    def owner_size(self) -> int:
+        group = self.owner_group
+        return 1 if group is None else dist.get_world_size(group)
+
+    @property
+    def owner_rank(self) -> int:
+        """This rank's position in its owner group: the shard it owns."""
+        group = self.owner_group
+        return 0 if group is None else dist.get_rank(group)
+
+    @property
+    def replica_rank(self) -> int:
+        """Which owner group this rank is in (0 without owner groups)."""
+        return 0 if self.replica is None else dist.get_rank(self.replica)
+
+    @property
     def separate_all_gather(self) -> bool:
-        return self.dp_all_gather is not None and self.dp_all_gather is not self.dp
+        return self.dp_all_gather is not None and self.dp_all_gather is not self.owner_group
 
     def destroy(self) -> None:
         """Destroys the groups (each once), so no communicator or thread outlives its training run.
@@ -50,7 +87,8 @@ class ProcessGroups:
         Every rank calls it after its last collective on them.
         """
         seen = []
-        for group in (self.dp_all_gather, self.dp, self.expert_dp_all_gather, self.expert_dp):
+        for group in (self.dp_all_gather, self.replica, self.owner, self.dp, self.expert_dp_all_gather,
+                      self.expert_dp):
             if group is not None and all(group is not g for g in seen) and dist.is_initialized():
                 seen.append(group)
                 dist.destroy_process_group(group)
@@ -66,17 +104,39 @@ class ProcessGroups:
         separate_all_gather: bool = True,
         backend: str | None = None,
         timeout: timedelta | None = None,
+        owner_group_size: int | None = None,
     ) -> "ProcessGroups":
         """Groups over every rank of the initialized default group.
 
-        Collective: every rank must call it, in the same order relative to other
-        group creations. Without an initialized default group (or with one rank)
-        returns :meth:`single`.
+        ``owner_group_size``: ``g`` dividing the world size splits it into owner groups
+        of ``g`` consecutive ranks (Note [owner groups]); ``None`` or the world size:
+        one owner group. Collective: every rank must call it, in the same order
+        relative to other group creations. Without an initialized default group (or
+        with one rank) returns :meth:`single`.
         """
         if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
             return cls.single()
-        ranks = list(range(dist.get_world_size()))
+        world, rank = dist.get_world_size(), dist.get_rank()
+        g = world if owner_group_size is None else owner_group_size
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1 or world % g:
+            raise ValueError(f"owner group size {owner_group_size!r} does not divide the {world} data-parallel "
+                             f"ranks; pass a divisor of {world} (e.g. the GPUs per node), or None for one group.")
         kwargs = {"backend": backend, "timeout": timeout}
-        dp = dist.new_group(ranks, **kwargs)
-        all_gather = dist.new_group(ranks, **kwargs) if separate_all_gather else dp
-        return cls(dp=dp, dp_all_gather=all_gather)
+        dp = dist.new_group(list(range(world)), **kwargs)
+        if g == world:
+            all_gather = dist.new_group(list(range(world)), **kwargs) if separate_all_gather else dp
+            return cls(dp=dp, dp_all_gather=all_gather)
+        # Every rank takes part in creating every group (torch requires it), keeping its own.
+        owner = replica = all_gather = None
+        for k in range(world // g):
+            ranks = list(range(k * g, (k + 1) * g))
+            group = dist.new_group(ranks, **kwargs)
+            gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
+            if rank in ranks:
+                owner, all_gather = group, gather
+        for i in range(g):
+            ranks = list(range(i, world, g))
+            group = dist.new_group(ranks, **kwargs)
+            if rank in ranks:
+                replica = group
+        return cls(dp=dp, dp_all_gather=all_gather, owner=owner, replica=replica)

@@ -57,7 +57,7 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel
-from .layout import DEFAULT_BUCKET_SIZE
+from .layout import DEFAULT_BUCKET_SIZE, choose_owner_group_size, param_specs
 from .optim.elementwise import elementwise_parameters, resolve_optimizer_classes
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import MasterWeights, layerwise_precision
@@ -130,6 +130,14 @@ class LayerwiseStrategy(DDPStrategy):
             so that their parameters may be split too. A promise the library cannot check:
             an optimizer that looks at a whole tensor (a norm, a trust ratio, a factored
             second moment) would then be given pieces.
+        owner_group_size: split the data-parallel ranks into owner groups of this many
+            consecutive ranks (hierarchical sharding, as HSDP): the layout is planned for
+            one group, gradients are reduce-scattered and parameters all-gathered inside
+            it, and each owned shard is all-reduced across the groups (Note [owner
+            groups] in ``process_groups.py``). ``"auto"`` (default) picks the divisor of
+            the world size that needs the least memory per rank, preferring groups
+            inside a node (Note [choosing the owner group size] in ``layout.py``);
+            ``None``: one group of every rank; an integer must divide the world size.
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -152,6 +160,7 @@ class LayerwiseStrategy(DDPStrategy):
         skip_nonfinite_steps: bool = False,
         elementwise_fill: bool = True,
         elementwise_optimizers: Sequence[Union[type, str]] = (),
+        owner_group_size: Union[int, Literal["auto"], None] = "auto",
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -194,6 +203,10 @@ class LayerwiseStrategy(DDPStrategy):
                              "optimizer classes or import paths, e.g. ['my_package.optim.Lion'].")
         elementwise_classes = resolve_optimizer_classes(elementwise_optimizers,
                                                         "LayerwiseStrategy(elementwise_optimizers=...)")
+        if owner_group_size not in ("auto", None) and (isinstance(owner_group_size, bool)
+                                                        or not isinstance(owner_group_size, int) or owner_group_size < 1):
+            raise ValueError(f"LayerwiseStrategy(owner_group_size={owner_group_size!r}): pass 'auto', None (one group "
+                             "of every rank) or a positive integer that divides the number of ranks, e.g. 8.")
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"LayerwiseStrategy(timeout={timeout!r}): pass a datetime.timedelta, e.g. "
                              "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "
@@ -224,6 +237,7 @@ class LayerwiseStrategy(DDPStrategy):
         self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
         self.elementwise_fill = elementwise_fill
         self.elementwise_optimizers = elementwise_classes
+        self.owner_group_size = owner_group_size
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
         self._steps = 0  # optimizer steps this fit, for replica_check_every
@@ -275,9 +289,10 @@ class LayerwiseStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         self._released_ownership = None
+        elementwise = self._elementwise_predicate()
         groups = ProcessGroups.create(
             separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
-            timeout=self._timeout,
+            timeout=self._timeout, owner_group_size=self._resolve_owner_group_size(elementwise),
         )
         self._groups = groups
         self.model = LayerwiseDataParallel(
@@ -290,10 +305,33 @@ class LayerwiseStrategy(DDPStrategy):
             grad_reduce_dtype=self._grad_reduce_dtype(),
             broadcast_buffers=self.broadcast_buffers,
             param_read_guard=self.param_read_guard,
-            elementwise=self._elementwise_predicate(),
+            elementwise=elementwise,
         )
         for optimizer in self.optimizers:
             self.model.use_shards_in(optimizer)
+
+    def _resolve_owner_group_size(self, elementwise) -> int:
+        """The owner group size for this world: the argument, or the layout's choice for ``"auto"``."""
+        world = self.world_size
+        if self.owner_group_size is None:
+            return world
+        if self.owner_group_size != "auto":
+            if world % self.owner_group_size:
+                raise ValueError(f"LayerwiseStrategy(owner_group_size={self.owner_group_size}) does not divide the "
+                                 f"{world} ranks of this run; pass a divisor of {world} (e.g. the GPUs per node), "
+                                 "'auto' or None.")
+            return self.owner_group_size
+        ranks_per_node = len(self.parallel_devices or ()) or None
+        if ranks_per_node is None or world <= ranks_per_node:
+            return world  # one node: one group (Note [choosing the owner group size] in layout.py)
+        grad_dtype = self._grad_reduce_dtype()
+        g, _ = choose_owner_group_size(
+            param_specs(self.lightning_module, elementwise=elementwise), world, self.bucket_size,
+            ranks_per_node=ranks_per_node, grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None)
+        if g != world:
+            rank_zero_info(f"LayerwiseStrategy: owner groups of {g} ranks (owner_group_size='auto'; "
+                           f"{world // g} groups).")
+        return g
 
     def _elementwise_predicate(self) -> Optional[Callable[[str, torch.nn.Parameter], bool]]:
         """Which parameters the layout may split: those the optimizer updates element-wise."""
@@ -481,7 +519,7 @@ class LayerwiseStrategy(DDPStrategy):
             return named
         ownership = self._ownership()
         with self._naming_failures("gathering the optimizer state to rank 0 for a full checkpoint"):
-            full = ckpt.gather_named_state(ckpt.mark_pieces(named, ownership))
+            full = ckpt.gather_named_state(ckpt.mark_pieces(ckpt.state_to_write(named, ownership), ownership))
         if full is None:
             return {"state": {}, "param_groups": named["param_groups"]}
         return ckpt.join_pieces(full, ownership.split)
@@ -515,12 +553,13 @@ class LayerwiseStrategy(DDPStrategy):
         state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(checkpoint.pop("state_dict"), tensors,
                                                                              ownership)}
         for index, named in enumerate(checkpoint.pop("optimizer_states", [])):
-            named = ckpt.pieces_as_sharded_tensors(named, ownership)
+            named = ckpt.pieces_as_sharded_tensors(ckpt.state_to_write(named, ownership), ownership)
             if not self.is_global_zero:
                 named.pop("param_groups")  # identical on every rank: written once, by rank 0
             state[ckpt.optimizer_key(index)] = named
         checkpoint["layerwise"] = {"format": ckpt.FORMAT, "version": ckpt.FORMAT_VERSION,
-                                   "world_size": self.world_size, "bucket_size": self.bucket_size}
+                                   "world_size": self.world_size, "bucket_size": self.bucket_size,
+                                   "owner_group_size": self._groups.owner_size if self._groups else self.world_size}
         with self._naming_failures(f"saving the sharded checkpoint {str(path)!r}"):
             ckpt.save_sharded(path, state, checkpoint if self.is_global_zero else None)
 

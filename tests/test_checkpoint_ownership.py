@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 from torch import nn
 
+from lightning_layerwise import ProcessGroups
 from lightning_layerwise import checkpoint as ckpt
 from lightning_layerwise.layout import param_specs, plan_layout
 
@@ -17,7 +18,8 @@ class FakeWrapper:
     def __init__(self, module: nn.Module, owned: set[str], rank: int = 0, layout=None, shards=None):
         self.named = dict(module.named_parameters())
         self.owned = owned
-        self.dp_rank = rank
+        self.owner_rank = rank
+        self.process_groups = ProcessGroups.single()
         self.shards = shards or {}  # name -> this rank's piece parameter
         self.layout = layout or SimpleNamespace(params={n: SimpleNamespace(split=False) for n in self.named})
 

@@ -80,9 +80,10 @@ class RankSlices(torch.utils.data.Dataset):
 
 
 def make_trainer(world: int, strategy="layerwise", fmt: str = "sharded", bucket_size: int = 40_000_000,
-                 callbacks=(), max_steps: int = 2 * STEPS) -> L.Trainer:
+                 callbacks=(), max_steps: int = 2 * STEPS, owner_group_size="auto", fill: bool = True) -> L.Trainer:
     if strategy == "layerwise":
-        strategy = llw.LayerwiseStrategy(checkpoint_format=fmt, bucket_size=bucket_size)
+        strategy = llw.LayerwiseStrategy(checkpoint_format=fmt, bucket_size=bucket_size,
+                                         owner_group_size=owner_group_size, elementwise_fill=fill)
     return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps, logger=False,
                      enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
                      enable_model_summary=False, use_distributed_sampler=False)
@@ -106,15 +107,24 @@ def result(model: Net) -> dict:
             "calls": int(model.calls), "losses": global_losses(model)}
 
 
-def _run_worker(rank, world, optimizer, strategy, fmt, dirpath, bucket_size=40_000_000):
+def _run_worker(rank, world, optimizer, strategy, fmt, dirpath, bucket_size=40_000_000, owner_group_size="auto"):
     """The uninterrupted run of 2 epochs; ModelCheckpoint writes ``step=3.ckpt`` after the first."""
     model = Net(optimizer)
     save = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=STEPS, save_top_k=-1)
-    make_trainer(world, strategy, fmt, bucket_size, callbacks=[save]).fit(model, loader())
-    return result(model)
+    seen = {}
+
+    class Inspect(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen["owner_size"] = getattr(getattr(trainer.strategy, "wrapper", None), "owner_size", None)
+
+    trainer = make_trainer(world, strategy, fmt, bucket_size, callbacks=[save, Inspect()],
+                           owner_group_size=owner_group_size)
+    trainer.fit(model, loader())
+    return {**result(model), **seen}
 
 
-def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_000_000):
+def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_000_000, owner_group_size="auto",
+                   fill=True):
     model = Net(optimizer)
     inspected = {}
 
@@ -127,10 +137,12 @@ def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_0
             stepped = set() if wrapper is None else set(wrapper.owned_parameters())
             inspected["only_owned"] = wrapper is None or all(p in stepped for p in opt.state)
             inspected["split"] = [] if wrapper is None else [n for n, s in wrapper.layout.params.items() if s.split]
+            inspected["replicas"] = 1 if wrapper is None else world // wrapper.owner_size
             inspected["owned"] = None if wrapper is None else len(list(wrapper.owned_parameters()))
             inspected["params_at_start"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
-    make_trainer(world, strategy, fmt, bucket_size, callbacks=[Inspect()]).fit(model, loader(), ckpt_path=path)
+    make_trainer(world, strategy, fmt, bucket_size, callbacks=[Inspect()], owner_group_size=owner_group_size,
+                 fill=fill).fit(model, loader(), ckpt_path=path)
     return {**result(model), **inspected}
 
 
@@ -179,7 +191,8 @@ def test_resume_at_another_world_size(tmp_path, fmt, optimizer, saved_at, resume
     assert os.path.isdir(path) == (fmt == "sharded")
     resumed = run_distributed(_resume_worker, resumed_at, optimizer, "layerwise", fmt, path)
     n_elements = sum(p.numel() for p in Net(optimizer).parameters())
-    assert sum(r["state_elements"] for r in resumed) == n_elements, "each element's state is on exactly one rank"
+    # Each element's state is on exactly one rank of each owner group.
+    assert sum(r["state_elements"] for r in resumed) == n_elements * resumed[0]["replicas"]
     if resumed_at > 1 and optimizer == "adamw":  # element-wise fill splits AdamW's parameters
         assert resumed[0]["split"], "no parameter was split: the pieces' resharding was not exercised"
     for rank, r in enumerate(resumed):
@@ -211,6 +224,32 @@ def test_full_checkpoints_move_between_layerwise_and_ddp(tmp_path, saver, resume
     resumed = run_distributed(_resume_worker, 2, "muon", resumer, "full", path)
     for rank, r in enumerate(resumed):
         assert_continues(reference, r, f"{saver} -> {resumer}, rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_two_owner_groups_resume_at_three_ranks_at_one_and_under_ddp(tmp_path, fmt):
+    """Saved at 4 ranks as 2 owner groups x 2 with element-wise fill; resumed as if never interrupted at
+    3 ranks (one group of 3), at 1 rank, at 4 ranks as 2 x 2 and as 4 x 1 (every rank steps everything),
+    at 2 ranks without element-wise fill, and (full format) under ddp."""
+    reference = run_distributed(_run_worker, 4, "adamw", "layerwise", fmt, str(tmp_path), 40_000_000, 2)
+    assert [r["owner_size"] for r in reference] == [2] * 4
+    path = str(tmp_path / f"step={STEPS}.ckpt")
+    targets = [(3, "layerwise", 3, True), (1, "layerwise", None, True), (4, "layerwise", 2, True),
+               (4, "layerwise", 1, True), (2, "layerwise", None, False)]  # the last: element-wise fill off
+    targets += [(2, "ddp", None, True)] if fmt == "full" else []
+    n_elements = sum(p.numel() for p in Net("adamw").parameters())
+    for world, strategy, g, fill in targets:
+        resumed = run_distributed(_resume_worker, world, "adamw", strategy, fmt, path, 40_000_000, g, fill)
+        if strategy == "layerwise":
+            assert sum(r["state_elements"] for r in resumed) == n_elements * (world // (g or world))
+        if world == 3:
+            assert resumed[0]["split"], "the 3-rank layout splits parameters too"
+        if not fill:
+            assert resumed[0]["split"] == [], "elementwise_fill=False owns every parameter whole"
+        for rank, r in enumerate(resumed):
+            assert_at_checkpoint(saved_params(path), r, f"2x2 -> {strategy} at {world}, rank {rank}")
+            assert_continues(reference[0], r, f"{fmt} 2x2 -> {strategy} at {world}, rank {rank}")
 
 
 # --- plain Lightning and torch read the files --------------------------------------------

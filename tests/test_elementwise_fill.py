@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from _dist import run_distributed
-from lightning_layerwise import LayerwiseDataParallel
+from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise.clip import clip_grad_norm_
 from lightning_layerwise.optim import Muon, elementwise_parameters, muon_param_groups
 
@@ -67,10 +67,12 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def wrap(model: nn.Module, opt: torch.optim.Optimizer, bucket_size: int) -> LayerwiseDataParallel:
-    """The wrapper with element-wise fill, as LayerwiseStrategy sets it up."""
+def wrap(model: nn.Module, opt: torch.optim.Optimizer, bucket_size: int,
+         owner_group_size: int | None = None) -> LayerwiseDataParallel:
+    """The wrapper with element-wise fill (and owner groups of ``owner_group_size``), as LayerwiseStrategy sets it up."""
     elementwise = elementwise_parameters(opt)
-    ddp = LayerwiseDataParallel(model, bucket_size=bucket_size, prefetch_depth=1,
+    groups = ProcessGroups.create(owner_group_size=owner_group_size)
+    ddp = LayerwiseDataParallel(model, groups, bucket_size=bucket_size, prefetch_depth=1,
                                 elementwise=lambda name, p: p in elementwise)
     ddp.use_shards_in(opt)
     return ddp
@@ -102,12 +104,12 @@ def gpt_reference(opt_name: str) -> dict[str, torch.Tensor]:
     return snapshot(model)
 
 
-def _gpt_worker(rank: int, world: int, opt_names: list[str]) -> dict:
+def _gpt_worker(rank: int, world: int, opt_names: list[str], owner_group_size: int | None = None) -> dict:
     out = {}
     for opt_name in opt_names:
         model = gpt(seed=rank)  # rank 0's initialisation is broadcast
         opt = optimizer(opt_name, model)
-        ddp = wrap(model, opt, bucket_size=2048)
+        ddp = wrap(model, opt, bucket_size=2048, owner_group_size=owner_group_size)
         for tokens in batches():
             opt.zero_grad()
             gpt_loss(ddp, tokens.chunk(world)[rank]).backward()
@@ -123,6 +125,8 @@ def _gpt_worker(rank: int, world: int, opt_names: list[str]) -> dict:
             "state_elements": sum(v.numel() for s in opt.state.values() for v in s.values()
                                   if torch.is_tensor(v) and v.dim() >= 1),
             "padding": ddp.layout.padding_fraction,
+            "layout_dp": ddp.layout.dp,
+            "owned": sorted(n for n, _ in ddp.named_owned_parameters()),
         }
     return out
 
@@ -133,8 +137,8 @@ def _muon_names(model: nn.Module) -> set[str]:
 
 
 @functools.cache
-def gpt_run(world: int) -> list[dict]:
-    return run_distributed(_gpt_worker, world, ["adamw", "muon"])
+def gpt_run(world: int, owner_group_size: int | None = None) -> list[dict]:
+    return run_distributed(_gpt_worker, world, ["adamw", "muon"], owner_group_size)
 
 
 @pytest.mark.slow
@@ -294,3 +298,20 @@ def test_a_split_parameter_used_by_some_ranks_or_none_steps_as_one_process():
     # The check can fail: stepping every piece every step decays `extra` in the steps no rank used it.
     mutated = run_distributed(_branchy_worker, 3, True)
     assert rel_err(mutated[0]["params"]["extra.weight"], reference["extra.weight"]) > 100 * TOL
+
+
+# --- owner groups (Note [owner groups] in process_groups.py) ------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+def test_four_ranks_as_two_owner_groups_of_two_equal_one_process(opt_name):
+    """4 ranks as 2 groups x 2: planned for 2 ranks, reduce-scattered in each group, all-reduced across."""
+    results = [r[opt_name] for r in gpt_run(4, 2)]
+    worst = assert_matches(results, gpt_reference(opt_name), f"{opt_name}, 4 ranks as 2 x 2")
+    print(f"{opt_name} 2x2: max rel err {worst:.2e}, split {results[0]['split']}")
+    assert all(r["layout_dp"] == 2 for r in results)
+    assert results[0]["split"], "element-wise fill inside the owner groups"
+    # Ranks 0 and 2 (and 1 and 3) own the same shards; 0 and 1 own different ones.
+    assert results[0]["owned"] == results[2]["owned"] and results[1]["owned"] == results[3]["owned"]
+    assert results[0]["owned"] != results[1]["owned"]

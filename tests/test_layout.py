@@ -14,6 +14,8 @@ from lightning_layerwise.layout import (
     ALIGNMENT,
     ParamSpec,
     aligned,
+    choose_owner_group_size,
+    estimated_rank_bytes,
     describe_layout,
     newton_schulz_cost,
     numel_cost,
@@ -409,3 +411,43 @@ def test_element_wise_fill_pours_small_parameters_into_matrix_padding():
     assert not bias.split and layout.buffers[0].buckets[bias.bucket].params != ("a_bias",)
     whole_only = plan_layout([s for s in specs if s.name != "a_bias"], 2)
     assert layout.total_numel == whole_only.total_numel, "the bias cost no buffer space"
+
+
+# --- owner groups: choosing g (Note [choosing the owner group size]) -----------------------------------
+
+
+def _divisors(n: int) -> list[int]:
+    return [g for g in range(1, n + 1) if n % g == 0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=mixed_spec_lists(max_params=25), dp=st.integers(1, 64), bucket_size=st.integers(64, 50_000),
+       per_node=st.sampled_from([None, 1, 2, 4, 8]))
+def test_chosen_owner_group_size_divides_dp_and_needs_the_least_memory(specs, dp, bucket_size, per_node):
+    g, layout = choose_owner_group_size(specs, dp, bucket_size, ranks_per_node=per_node)
+    assert dp % g == 0 and layout.dp == g
+    check_fill_invariants(specs, layout)  # every element once, no whole matrix across a shard, equal shards
+    assert layout.total_numel == plan_layout(specs, g, bucket_size).total_numel, "the plan the wrapper makes"
+    if per_node is not None and dp <= per_node:
+        assert g == dp, "one node: one group"
+        return
+    need = {d: estimated_rank_bytes(plan_layout(specs, d, bucket_size), specs) for d in _divisors(dp)}
+    assert need[g] <= 1.01 * min(need.values()), (g, need)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=mixed_spec_lists(max_params=30), dp=st.sampled_from([2, 4, 6, 8, 12, 16, 32, 64]), data=st.data())
+def test_layouts_for_every_group_size_dividing_dp_keep_the_invariants(specs, dp, data):
+    g = data.draw(st.sampled_from(_divisors(dp)))
+    check_fill_invariants(specs, plan_layout(specs, g, 4096))
+
+
+def test_few_matrices_on_many_ranks_choose_smaller_owner_groups():
+    """Twelve equal matrices and an embedding at 64 ranks (8 per node): one group of 64 would be mostly
+    padding; the chosen groups pad less and hold less per rank."""
+    specs = [ParamSpec("emb", (5000, 64), elementwise=True)]
+    specs += [ParamSpec(f"h.{i}.w", (256, 64)) for i in range(12)]
+    g, layout = choose_owner_group_size(specs, 64, ranks_per_node=8)
+    whole = plan_layout(specs, 64)
+    assert g < 64 and layout.padding_fraction < whole.padding_fraction
+    assert estimated_rank_bytes(layout, specs) < estimated_rank_bytes(whole, specs)

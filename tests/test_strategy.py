@@ -453,3 +453,57 @@ def test_elementwise_fill_follows_the_optimizer_and_the_strategy_arguments():
 def test_bad_elementwise_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llw.LayerwiseStrategy(**kwargs)
+
+
+# --- owner groups ---------------------------------------------------------------------------------
+
+
+def _owner_groups_worker(rank, world, optimizer, owner_group_size):
+    sizes = []
+
+    class Inspect(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            sizes.append(trainer.strategy.wrapper.owner_size)
+
+    params = {}
+    for strategy in ("ddp", llw.LayerwiseStrategy(owner_group_size=owner_group_size, bucket_size=512)):
+        model = Regressor(optimizer)
+        train, _ = loaders()
+        L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=8, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  gradient_clip_val=0.05, accumulate_grad_batches=2,
+                  callbacks=[] if strategy == "ddp" else [Inspect()]).fit(model, train)
+        params["ddp" if strategy == "ddp" else "layerwise"] = {n: p.detach().clone()
+                                                               for n, p in model.named_parameters()}
+    return params, sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_owner_groups_of_two_equal_ddp_with_accumulation_and_clipping(optimizer):
+    results = run_distributed(_owner_groups_worker, 4, optimizer, 2)
+    for rank, (params, sizes) in enumerate(results):
+        assert sizes == [2], sizes
+        for n, value in params["ddp"].items():
+            assert rel_err(params["layerwise"][n], value) <= 1e-5, (rank, n, rel_err(params["layerwise"][n], value))
+        for n, value in params["layerwise"].items():
+            assert torch.equal(value, results[0][0]["layerwise"][n]), (rank, n)
+
+
+def test_owner_group_size_must_divide_the_world():
+    with pytest.raises(ValueError, match=r"owner_group_size=0"):
+        llw.LayerwiseStrategy(owner_group_size=0)
+    with pytest.raises(ValueError, match=r"owner_group_size='half'"):
+        llw.LayerwiseStrategy(owner_group_size="half")
+    error = run_distributed(_indivisible_worker, 2)[0]
+    assert "owner_group_size=3) does not divide the 2 ranks" in error
+
+
+def _indivisible_worker(rank, world):
+    try:
+        L.Trainer(accelerator="cpu", devices=world, strategy=llw.LayerwiseStrategy(owner_group_size=3), max_steps=1,
+                  logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False).fit(Regressor(), loaders()[0])
+    except ValueError as error:
+        return str(error)
+    return "no error"
