@@ -68,6 +68,7 @@ RANKS_PER_NODE = 8
 PARAM_BYTES, GRAD_BYTES = 2, 4  # bf16 parameters, gradients reduced in fp32
 MUON_STATE_BYTES, ADAMW_STATE_BYTES = 8, 12  # momentum + fp32 master; two moments + fp32 master
 TABLE_START, TABLE_END = "<!-- table:start -->", "<!-- table:end -->"
+EXPERT_TABLE_START, EXPERT_TABLE_END = "<!-- expert-table:start -->", "<!-- expert-table:end -->"
 
 
 def routed_cost(model: ModelShapes) -> Callable[[ParamSpec], float]:
@@ -138,6 +139,54 @@ def measure(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> dict
             "plan_s": seconds, "split_params": sum(s.split for s in layout.params.values())}
 
 
+EXPERT_ROWS = (("mixtral-8x7b", 8), ("deepseek-v3", 8), ("deepseek-v3", 64))
+"""(model, expert-parallel size E) planned with real expert parallelism in the second table."""
+
+
+def _expert_index(name: str) -> int:
+    return int(name.split("experts.")[1].split(".")[0])
+
+
+def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int) -> dict:
+    """One rank's layouts with expert parallelism (Note [expert parallelism]): its dense parameters planned
+    as in the main table, its ``n/E`` local experts per layer in a buffer planned for the ``dp/E`` ranks of
+    its expert data-parallel group."""
+    cost = routed_cost(model)
+    dense = [s for s in model.routed_specs() if s.kind != "expert"]
+    experts = [s for s in model.routed_specs() if s.kind == "expert"]
+    per_layer = 1 + max(_expert_index(s.name) for s in experts)
+    local = [s for s in experts if _expert_index(s.name) < per_layer // E]  # expert-parallel rank 0's
+    t0 = time.perf_counter()
+    g, dense_layout = choose_owner_group_size(dense, dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
+                                              grad_bytes=GRAD_BYTES)
+    expert_layout = plan_layout(local, dp // E, bucket_size, cost)
+    seconds = time.perf_counter() - t0
+
+    def ns(layout: Layout, specs: list[ParamSpec]) -> float:
+        costs = {s.name: muon_cost(model, s) for s in specs}
+        per_rank = [0.0] * layout.dp
+        for name, slot in layout.params.items():
+            per_rank[slot.owner] += costs[name]
+        bound = max(max(costs.values()), sum(costs.values()) / layout.dp)
+        return max(per_rank) / bound
+
+    return {"model": model.name, "dp": dp, "E": E, "expert_dp": dp // E, "g": g, "local_experts": len(local),
+            "dense_padding": dense_layout.padding_fraction, "expert_padding": expert_layout.padding_fraction,
+            "dense_ns": ns(dense_layout, dense), "expert_ns": ns(expert_layout, local), "plan_s": seconds}
+
+
+def expert_table(rows: list[dict]) -> str:
+    head = ["model", "dp", "E", "expert DP", "dense g", "expert tensors per rank", "dense padding",
+            "expert padding", "dense NS / bound", "expert NS / bound", "plan s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["model"], str(r["dp"]), str(r["E"]), str(r["expert_dp"]), str(r["g"]), f"{r['local_experts']:,}",
+            f"{100 * r['dense_padding']:.2f}%", f"{100 * r['expert_padding']:.2f}%", f"{r['dense_ns']:.3f}",
+            f"{r['expert_ns']:.3f}", f"{r['plan_s']:.2f}"]) + " |")
+    return "\n".join(lines)
+
+
 def verdict(row: dict) -> str:
     misses = [name for name, value, target in (("memory", row["memory_ratio"], MEMORY_TARGET),
                                                ("bytes", row["bytes_ratio"], BYTES_TARGET),
@@ -159,13 +208,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_markdown(path: Path, text: str) -> None:
-    """Replaces the table between the markers, keeping the narrative around it."""
-    block = f"{TABLE_START}\n{text}\n{TABLE_END}"
-    if path.exists() and TABLE_START in (old := path.read_text()):
-        head, _, rest = old.partition(TABLE_START)
-        _, _, tail = rest.partition(TABLE_END)
+def write_markdown(path: Path, text: str, start: str = TABLE_START, end: str = TABLE_END) -> None:
+    """Replaces the table between the markers ``start`` and ``end``, keeping the narrative around it."""
+    block = f"{start}\n{text}\n{end}"
+    if path.exists() and start in (old := path.read_text()):
+        head, _, rest = old.partition(start)
+        _, _, tail = rest.partition(end)
         path.write_text(head + block + tail)
+    elif path.exists():
+        path.write_text(path.read_text().rstrip() + f"\n\n{block}\n")
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"# Layout at scale (simulated)\n\n{block}\n")
@@ -240,7 +291,12 @@ def main(argv: list[str] | None = None) -> None:
                   f"memory={r['memory_ratio']:.3f} bytes={r['bytes_ratio']:.3f} ns={r['ns_balance']:.3f} "
                   f"plan={r['plan_s']:.2f}s", file=sys.stderr, flush=True)
     text = table(rows)
+    expert_rows = [measure_experts(model_shapes(name), dp, E, args.bucket_size)
+                   for name, E in EXPERT_ROWS if name in args.models for dp in args.dp if dp % E == 0 and dp > E]
+    experts_text = expert_table(expert_rows)
     print(text)
+    print()
+    print(experts_text)
     print(f"\ntotal {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.no_write:
         return
@@ -253,8 +309,9 @@ def main(argv: list[str] | None = None) -> None:
             "bytes_model": {"param": PARAM_BYTES, "grad": GRAD_BYTES, "muon_state": MUON_STATE_BYTES,
                             "adamw_state": ADAMW_STATE_BYTES}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    args.json.write_text(json.dumps({"meta": meta, "rows": rows, "expert_rows": expert_rows}, indent=1) + "\n")
     write_markdown(args.markdown, text)
+    write_markdown(args.markdown, experts_text, EXPERT_TABLE_START, EXPERT_TABLE_END)
     plot(rows, args.png)
     print(f"wrote {args.json}, {args.markdown}, {args.png}", file=sys.stderr)
 

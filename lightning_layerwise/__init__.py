@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from .data_parallel import CollectiveError, LayerwiseDataParallel, ReplicaDivergenceError
+from .experts import mark_experts
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
@@ -30,6 +31,7 @@ __all__ = [
     "clip_grad_value_",
     "describe_layout",
     "grad_norm",
+    "mark_experts",
     "muon_param_groups",
     "plan_layout",
 ]

@@ -64,19 +64,15 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0) -> torc
     """
     p = _check_norm_type(norm_type)
     shards = _owned_shards(wrapper)
-    group = wrapper.process_groups.owner_group  # each owner group holds the whole gradient once
     if p == 2.0:
         return wrapper.grad_norm_squared().sqrt()
-    total = torch.zeros((), dtype=torch.float32, device=shards[0].device)
     if math.isinf(p):
+        total = torch.zeros((), dtype=torch.float32, device=shards[0].device)
         for shard in shards:
             if shard.numel():
                 total = torch.maximum(total, shard.abs().amax().float().to(total.device))
-        return _all_reduce_max(total, group)
-    for shard in shards:
-        total += shard.float().abs().pow(p).sum().to(total.device)
-    collectives.all_reduce_sum(total, group)
-    return total.pow(1.0 / p)
+        return _all_reduce_max(total, wrapper.process_groups.dp)  # a maximum may count elements twice
+    return wrapper.shard_sum(lambda shard: shard.float().abs().pow(p).sum()).pow(1.0 / p)
 
 
 def clip_grad_norm_(

@@ -133,6 +133,14 @@ class Bucket:
     grad_data: torch.Tensor
     first_param: int
     """Registration index of the earliest parameter in the bucket (forward order key)."""
+    group: dist.ProcessGroup | None = None
+    """Group its shards are spread over (reduce-scatter); ``gather_group``: its all-gather communicator."""
+    gather_group: dist.ProcessGroup | None = None
+    shards: int = 1
+    """Ranks in ``group``; ``rank``: this rank's shard."""
+    rank: int = 0
+    expert: bool = False
+    """Expert parameters (Note [expert parallelism] in ``process_groups.py``)."""
     state: BucketState = BucketState.SYNCED
     grads_state: BucketState = BucketState.ACCUMULATING
     ready: set[int] = field(default_factory=set)
@@ -172,6 +180,10 @@ class LayerwiseDataParallel(nn.Module):
             as a predicate on ``(name, parameter)``; those may be split across shards and
             stepped in pieces (Note [element-wise fill] in ``layout.py``, Note [pieces]).
             Default: none, every parameter is owned whole.
+        expert: which parameters are expert parameters, as a predicate on ``(name, parameter)``:
+            they get buffers of their own, reduced and gathered over the expert
+            data-parallel group of ``process_groups`` (Note [expert parallelism] in
+            ``process_groups.py``). Default: none.
     """
 
     def __init__(
@@ -188,6 +200,7 @@ class LayerwiseDataParallel(nn.Module):
         trace: bool = False,
         param_read_guard: ReadGuard = "wait",
         elementwise: Callable[[str, nn.Parameter], bool] | None = None,
+        expert: Callable[[str, nn.Parameter], bool] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(bucket_size, int) or bucket_size <= 0:
@@ -217,14 +230,21 @@ class LayerwiseDataParallel(nn.Module):
         self.owner_size = self.process_groups.owner_size
         self.owner_rank = self.process_groups.owner_rank
 
-        specs = param_specs(module, elementwise=elementwise)
+        specs = param_specs(module, expert=expert, elementwise=elementwise)
         if not specs:
             raise ValueError(
                 f"{type(module).__name__} has no trainable parameter (none with requires_grad=True); "
                 "there is nothing to train data-parallel. Unfreeze a parameter or do not wrap the module."
             )
-        _check_same_module_on_all_ranks(module, self.process_groups.dp)
-        self.layout: Layout = plan_layout(specs, self.owner_size, bucket_size, cost)
+        _check_same_module_on_all_ranks(module, self.process_groups.dp, expert)
+        groups = self.process_groups
+        self.expert_parallel_size = groups.expert_parallel_size
+        expert_dp = dist.get_world_size(groups.expert_dp) if groups.expert_parallel is not None else None
+        self.expert_dp_rank = dist.get_rank(groups.expert_dp) if expert_dp is not None else self.owner_rank
+        self.layout: Layout = plan_layout(specs, self.owner_size, bucket_size, cost, expert_dp=expert_dp)
+        self._expert_names = frozenset(s.name for s in specs if s.kind == "expert")
+        if expert is not None:  # frozen expert parameters: outside the layout, but held per expert rank
+            self._expert_names |= {n for n, p in module.named_parameters() if expert(n, p)}
 
         named = dict(module.named_parameters())
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
@@ -235,10 +255,15 @@ class LayerwiseDataParallel(nn.Module):
         self._bucket_of: dict[nn.Parameter, Bucket] = {}
         for b_index, plan in enumerate(self.layout.buffers):
             flat = self._flat_buffers[b_index]
+            expert_buffer = plan.kind == "expert" and groups.expert_parallel is not None
+            group = groups.expert_dp if expert_buffer else groups.owner_group
+            gather_group = groups.expert_dp_all_gather if expert_buffer else groups.dp_all_gather
             for bp in plan.buckets:
                 params = [named[n] for n in bp.params]
                 bucket = Bucket(b_index, bp.index, params, flat.params[bp.start:bp.end], flat.grads[bp.start:bp.end],
-                                first_param=min(order[n] for n in bp.params))
+                                first_param=min(order[n] for n in bp.params), group=group, gather_group=gather_group,
+                                shards=bp.dp, rank=self.expert_dp_rank if expert_buffer else self.owner_rank,
+                                expert=expert_buffer)
                 self._buckets.append(bucket)
                 for p in params:
                     self._bucket_of[p] = bucket
@@ -250,20 +275,25 @@ class LayerwiseDataParallel(nn.Module):
         self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
         self._owned = {p for p, name in self._param_names.items()
-                       if not self.layout.params[name].split and self.layout.params[name].owner == self.owner_rank}
+                       if not self.layout.params[name].split and self.layout.params[name].owner == self._rank_for(name)}
         # Note [pieces]: this rank's piece of each split parameter, as a parameter of its own.
         self._shards: dict[nn.Parameter, nn.Parameter] = {}
         self._shard_grad_views: dict[nn.Parameter, torch.Tensor] = {}
         for p, name in self._param_names.items():
             slot = self.layout.params[name]
-            piece = slot.piece_of(self.owner_rank) if slot.split else None
+            piece = slot.piece_of(self._rank_for(name)) if slot.split else None
             if piece is None:
                 continue
             flat = self._flat_buffers[slot.buffer]
             begin, end = slot.offset + piece.start, slot.offset + piece.stop
             self._shards[p] = nn.Parameter(flat.params[begin:end], requires_grad=p.requires_grad)
             self._shard_grad_views[p] = flat.grads[begin:end]
-        self._split = [p for p, name in self._param_names.items() if self.layout.params[name].split]
+        split = [p for p, name in self._param_names.items() if self.layout.params[name].split]
+        split_experts = [p for p in split if self._param_names[p] in self._expert_names]
+        self._split = split
+        self._split_by_group = [(group_params, group) for group_params, group in (
+            ([p for p in split if p not in split_experts], self.process_groups.dp),
+            (split_experts, self.process_groups.expert_group)) if group_params]
         self._bucket_by_id = {id(p): b for p, b in self._bucket_of.items()}  # no hashing inside the read guard
         self._guarded = self.param_read_guard != "off"
         if self._guarded:
@@ -294,6 +324,11 @@ class LayerwiseDataParallel(nn.Module):
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_names]
         self._hook_handles += self._register_forward_pre_hooks()
 
+    def _rank_for(self, name: str) -> int:
+        """This rank's position among the owners of parameter ``name``'s buffer."""
+        return self.expert_dp_rank if name in self._expert_names and self.expert_parallel_size > 1 \
+            else self.owner_rank
+
     # --- public queries -------------------------------------------------------------
     def owns(self, param: nn.Parameter) -> bool:
         """True if this rank steps all of ``param`` (its whole gradient lands in this rank's shard)."""
@@ -318,7 +353,8 @@ class LayerwiseDataParallel(nn.Module):
 
     def piece_of(self, param: nn.Parameter):
         """The :class:`~lightning_layerwise.layout.Piece` of ``param`` this rank steps, or ``None``."""
-        return self.layout.params[self._param_names[param]].piece_of(self.owner_rank) if param in self._param_names \
+        name = self._param_names.get(param)
+        return self.layout.params[name].piece_of(self._rank_for(name)) if name is not None \
             else None
 
     def use_shards_in(self, optimizer: torch.optim.Optimizer) -> None:
@@ -469,8 +505,8 @@ class LayerwiseDataParallel(nn.Module):
 
     def _dispatch_reduce(self, bucket: Bucket) -> None:
         # Averaged in the reduction or after it, never by dividing inputs first (Note [averaging]).
-        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, self.process_groups.owner_group,
-                                                          async_op=True, average=True)
+        bucket.reduce = collectives.reduce_scatter_bucket(bucket.grad_data, bucket.group, async_op=True,
+                                                          average=True)
         bucket.grads_state = BucketState.REDUCING
         self._trace("rs_dispatch", bucket)
 
@@ -490,7 +526,10 @@ class LayerwiseDataParallel(nn.Module):
                 self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
-            if replica is not None:
+            if bucket.expert:
+                # Note [expert parallelism]: the expert data-parallel mean, over the E ranks that sent tokens.
+                self._own_shard(bucket).div_(self.expert_parallel_size)
+            elif replica is not None:
                 # Note [owner groups]: the owner group's mean, averaged over the owner groups.
                 bucket.reduce = collectives.all_reduce_bucket(self._own_shard(bucket), replica, async_op=True,
                                                               average=True)
@@ -524,15 +563,16 @@ class LayerwiseDataParallel(nn.Module):
         rows no token looked up), so every piece follows the whole parameter: all of its
         pieces are stepped or none, as one process would step it or not.
         """
-        if not self._split:
-            return {}
-        flags = torch.tensor([p in self._seen for p in self._split], dtype=torch.float32, device=self._device())
-        collectives.all_reduce_max(flags, self.process_groups.dp)
-        return dict(zip(self._split, flags.bool().tolist()))
+        used = {}
+        for params, group in self._split_by_group:  # experts: only their expert data-parallel ranks hold them
+            flags = torch.tensor([p in self._seen for p in params], dtype=torch.float32, device=self._device())
+            collectives.all_reduce_max(flags, group)
+            used.update(zip(params, flags.bool().tolist()))
+        return used
 
     def _own_shard(self, bucket: Bucket) -> torch.Tensor:
         """This rank's shard of ``bucket``'s gradient: after the sync, the mean over every rank."""
-        return bucket.grad_data.chunk(self.owner_size)[self.owner_rank]
+        return bucket.grad_data.chunk(bucket.shards)[bucket.rank]
 
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish_grad_sync`).
@@ -544,7 +584,7 @@ class LayerwiseDataParallel(nn.Module):
         bad = torch.zeros((), dtype=torch.float32, device=device)
         for bucket in self._buckets:
             bad = torch.maximum(bad, (~torch.isfinite(self._own_shard(bucket))).any().float())
-        collectives.all_reduce_max(bad, self.process_groups.owner_group)  # replicas hold the same shards
+        collectives.all_reduce_max(bad, self.process_groups.dp)
         return not bool(bad.item())
 
     def grad_norm_squared(self) -> torch.Tensor:
@@ -553,17 +593,33 @@ class LayerwiseDataParallel(nn.Module):
         Valid after :meth:`finish_grad_sync`. The shards hold exactly the owned
         parameters' gradients plus zero padding, so no per-parameter loop is needed.
         """
-        device = self._flat_buffers[0].grads.device
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        group = self.process_groups.owner_group  # every owner group holds the whole gradient once
-        for bucket in self._buckets:
-            total += self._own_shard(bucket).float().square().sum()
-        if self.comm_wait_seconds is None:
-            return collectives.all_reduce_sum(total, group)
         t0 = time.perf_counter()
-        collectives.all_reduce_sum(total, group)
-        self._add_wait("norm_all_reduce", t0)
+        total = self.shard_sum(lambda shard: shard.float().square().sum())
+        if self.comm_wait_seconds is not None:
+            self._add_wait("norm_all_reduce", t0)
         return total
+
+    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element.
+
+        Each owner group holds the dense gradient once; each expert element lies in the shard
+        of one rank of its expert data-parallel group, and those groups cover every rank.
+        Collective (one all-reduce, two with expert parallelism).
+        """
+        device = self._device()
+        dense = torch.zeros((), dtype=torch.float32, device=device)
+        expert = torch.zeros((), dtype=torch.float32, device=device)
+        for bucket in self._buckets:
+            value = fn(self._own_shard(bucket)).to(device)
+            if bucket.expert:
+                expert += value
+            else:
+                dense += value
+        collectives.all_reduce_sum(dense, self.process_groups.owner_group)
+        if self.expert_parallel_size > 1:
+            collectives.all_reduce_sum(expert, self.process_groups.dp)
+            dense += expert
+        return dense
 
     # --- parameters ----------------------------------------------------------------
     def start_param_sync(self, force_sync: bool = False) -> None:
@@ -575,7 +631,7 @@ class LayerwiseDataParallel(nn.Module):
         gathered before returning.
         """
         self.finish_param_sync()  # a previous gather must land before a new one reads the shards
-        if self.process_groups.dp_all_gather is None:
+        if self.process_groups.dp is None:
             return
         overlap = self.overlap_param_gather and not force_sync
         strict = overlap and self.param_read_guard == "strict"
@@ -598,8 +654,8 @@ class LayerwiseDataParallel(nn.Module):
         """Strict mode: other ranks' shards read NaN until their all-gather lands."""
         if bucket.param_data.is_floating_point():
             with torch.no_grad():
-                for rank, shard in enumerate(bucket.param_data.chunk(self.owner_size)):
-                    if rank != self.owner_rank:
+                for rank, shard in enumerate(bucket.param_data.chunk(bucket.shards)):
+                    if rank != bucket.rank:
                         shard.fill_(math.nan)
 
     def _on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
@@ -631,7 +687,7 @@ class LayerwiseDataParallel(nn.Module):
     def _dispatch_next_gather(self) -> None:
         bucket = self._gather_order[self._next_gather]
         self._next_gather += 1
-        bucket.gather = collectives.all_gather_bucket(bucket.param_data, self.process_groups.dp_all_gather,
+        bucket.gather = collectives.all_gather_bucket(bucket.param_data, bucket.gather_group,
                                                       async_op=True)
         self._in_flight.append(bucket)
         self._trace("ag_dispatch", bucket)
@@ -695,10 +751,19 @@ class LayerwiseDataParallel(nn.Module):
         with torch._C.DisableTorchFunctionSubclass():
             sums = torch.stack([_bit_sum(p.detach()) for p in params])
         gathered = collectives.all_gather_stacked(sums, group)
-        differs = (gathered != gathered[0]).any(0).nonzero().flatten().tolist()
+        # Each rank against the first rank holding the same values: rank 0, or for an expert parameter the
+        # first of its expert data-parallel group (rank r mod E, Note [expert parallelism]).
+        E = self.expert_parallel_size
+        reference = torch.zeros_like(gathered)
+        for i, p in enumerate(params):
+            rows = torch.arange(gathered.size(0), device=gathered.device)
+            source = rows % E if E > 1 and names[p] in self._expert_names else torch.zeros_like(rows)
+            reference[:, i] = gathered[source, i]
+        mismatch = gathered != reference
+        differs = mismatch.any(0).nonzero().flatten().tolist()
         if not differs:
             return
-        ranks = sorted({r for i in differs for r in range(gathered.size(0)) if gathered[r, i] != gathered[0, i]})
+        ranks = sorted({r for i in differs for r in range(gathered.size(0)) if mismatch[r, i]})
         where = []
         for i in differs[:5]:
             bucket = self._bucket_of.get(params[i])
@@ -716,14 +781,23 @@ class LayerwiseDataParallel(nn.Module):
 
     # --- set-up --------------------------------------------------------------------
     def _broadcast_from_rank0(self) -> None:
+        """Every rank starts from rank 0's values; expert parameters from the first rank holding the same
+        experts (Note [expert parallelism])."""
         group = self.process_groups.dp
         if group is None:
             return
-        tensors = [flat.params for flat in self._flat_buffers]
-        tensors += [p.data for p in self.module.parameters() if p not in self._param_names]
-        tensors += [b for b in self.module.buffers()]
+        experts = self.expert_parallel_size > 1
+        expert_buffers = {i for i, plan in enumerate(self.layout.buffers) if experts and plan.kind == "expert"}
+        frozen = [(n, p) for n, p in self.module.named_parameters() if p not in self._param_names]
+        dense = [flat.params for i, flat in enumerate(self._flat_buffers) if i not in expert_buffers]
+        dense += [p.data for n, p in frozen if not (experts and n in self._expert_names)]
+        dense += [b for b in self.module.buffers()]
+        expert = [flat.params for i, flat in enumerate(self._flat_buffers) if i in expert_buffers]
+        expert += [p.data for n, p in frozen if experts and n in self._expert_names]
         with torch.no_grad():
-            collectives.broadcast_tensors(tensors, group)
+            collectives.broadcast_tensors(dense, group)
+            if expert:
+                collectives.broadcast_tensors(expert, self.process_groups.expert_dp)
 
     def _broadcast_module_buffers(self) -> None:
         """Rank 0's module buffers to every rank, as one collective (every training forward)."""
@@ -830,14 +904,18 @@ def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:
-    """Raises on every rank if the parameters differ in name, shape, dtype, requires_grad or device type across ranks.
+def _check_same_module_on_all_ranks(module: nn.Module, group, expert=None) -> None:
+    """Raises on every rank if the parameters differ in name, shape, dtype, requires_grad, device type or
+    expert mark across ranks.
 
     Device *type* only: each rank has its own GPU index.
     """
     if group is None:
         return
     mine = [(n, tuple(p.shape), str(p.dtype), p.requires_grad, p.device.type) for n, p in module.named_parameters()]
+    if expert is not None:
+        mine = [(*entry, "expert" if expert(n, p) else "dense")
+                for entry, (n, p) in zip(mine, module.named_parameters())]
     gathered: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     for rank, theirs in enumerate(gathered):
@@ -846,6 +924,7 @@ def _check_same_module_on_all_ranks(module: nn.Module, group) -> None:
             detail = (f"first difference: this rank has {diff[0]}, rank {rank} has {diff[1]}" if diff
                       else f"this rank has {len(mine)} parameters, rank {rank} has {len(theirs)}")
             raise ValueError(
-                "the module's parameters differ across ranks (name, shape, dtype, requires_grad or device type); "
+                "the module's parameters differ across ranks (name, shape, dtype, requires_grad or device type"
+                f"{', or expert mark' if expert is not None else ''}); "
                 f"{detail}. Build the same model on every rank (same config and seed) before wrapping it."
             )

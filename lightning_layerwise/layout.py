@@ -284,6 +284,8 @@ class BufferPlan:
     kind: Kind
     numel: int
     buckets: tuple[BucketPlan, ...]
+    dp: int = 0
+    """Ranks its shards are spread over: the layout's ``dp``, or ``expert_dp`` for expert buffers."""
 
 
 @dataclass(frozen=True)
@@ -321,7 +323,7 @@ class Layout:
 
     def rank_costs(self) -> list[float]:
         """Optimizer cost each rank carries, by the cost function the plan used."""
-        costs = [0.0] * self.dp
+        costs = [0.0] * self.dp  # expert buffers planned for fewer ranks count at their positions
         for name, slot in self.params.items():
             for piece in slot.pieces:  # a split (element-wise) parameter's cost is per element
                 costs[piece.owner] += self.costs[name] * piece.numel / slot.numel
@@ -393,14 +395,20 @@ def plan_layout(
     dp: int,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     cost: Callable[[ParamSpec], float] = newton_schulz_cost,
+    expert_dp: int | None = None,
 ) -> Layout:
     """Plans buffers, buckets, shards and owners for ``specs`` given in registration order.
 
     See the notes in this module's docstring for the guarantees. ``cost`` weighs
     the parameters owned whole; an element-wise one costs its element count.
+    ``expert_dp``: plan ``kind="expert"`` buffers for this many ranks (the expert
+    data-parallel group, Note [expert parallelism] in ``process_groups.py``)
+    instead of ``dp``; owner indices in those buffers are positions in that group.
     """
     specs = list(specs)
     _validate(specs, dp, bucket_size)
+    if expert_dp is not None and (isinstance(expert_dp, bool) or not isinstance(expert_dp, int) or expert_dp < 1):
+        raise ValueError(f"expert_dp={expert_dp!r} is not a valid expert data-parallel size; pass an integer >= 1.")
     costs = {s.name: float(numel_cost(s) if s.elementwise else cost(s)) for s in specs}
 
     # One buffer per (dtype, kind), in order of first appearance.
@@ -410,15 +418,18 @@ def plan_layout(
 
     buffers: list[BufferPlan] = []
     slots: dict[str, ParamSlot] = {}
-    rank_cost = [0.0] * dp  # carried across buffers, see Note [owner balancing]
+    rank_costs: dict[int, list[float]] = {}  # per group size, carried across buffers (Note [owner balancing])
     for buffer_index, ((dtype, kind), members) in enumerate(groups.items()):
+        ranks = expert_dp if kind == "expert" and expert_dp is not None else dp
         queue = list(reversed(members))  # backward order
-        buckets, located, pieces, rank_cost = _plan_buffer_with_fill(queue, dp, bucket_size, costs, rank_cost)
+        rank_cost = rank_costs.get(ranks, [0.0] * ranks)
+        buckets, located, pieces, rank_costs[ranks] = _plan_buffer_with_fill(queue, ranks, bucket_size, costs,
+                                                                             rank_cost)
         by_name = {s.name: s for s in members}
         for name, (bucket_index, offset) in located.items():
             slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, pieces[name])
         numel = buckets[-1].end if buckets else 0
-        buffers.append(BufferPlan(buffer_index, dtype, kind, numel, tuple(buckets)))
+        buffers.append(BufferPlan(buffer_index, dtype, kind, numel, tuple(buckets), ranks))
 
     ordered = {s.name: slots[s.name] for s in specs}
     return Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))

@@ -33,6 +33,21 @@ class ProcessGroups:
         (the ranks at the same position in every owner group), as HSDP does.
         Optimizer state is 1/g of the model per rank and each matrix's Newton–Schulz
         runs once per owner group.
+
+    Note [expert parallelism]
+        With ``expert_parallel_size=E`` the ranks are also split into expert-parallel
+        groups of ``E`` consecutive ranks (``[0, E)``, ``[E, 2E)``…): the ranks of
+        one group hold different experts (position ``r`` holds experts
+        ``[r * n/E, (r + 1) * n/E)`` of ``n``) and exchange tokens. The ranks at the
+        same position in every group (``r, r + E, r + 2E``…) hold the same experts:
+        the expert data-parallel group, over which expert gradients are
+        reduce-scattered and expert parameters all-gathered (its own layout and its
+        own all-gather communicator), while dense parameters use the data-parallel
+        (or owner) group as before. One process holding every expert averages an
+        expert's gradient over the whole global batch; here each expert data-parallel
+        group sees ``1/(world/E)`` of it per rank position, summed over the ``E`` ranks
+        that sent it tokens, so expert gradients are averaged over the expert
+        data-parallel group and then divided by ``E``: the mean over all ``world`` ranks.
     """
 
     dp: ProcessGroup | None
@@ -41,7 +56,13 @@ class ProcessGroups:
     """The owner group's ranks (every data-parallel rank without owner groups) on a
     communicator of their own: parameter all-gathers. May be the owner group itself."""
     expert_dp: ProcessGroup | None = None
+    """Expert data-parallel group (Note [expert parallelism]): the ranks holding the same experts;
+    expert gradients are reduce-scattered over it. ``None``: experts are replicated like dense parameters."""
     expert_dp_all_gather: ProcessGroup | None = None
+    """The expert data-parallel ranks on a communicator of their own: expert parameter all-gathers."""
+    expert_parallel: ProcessGroup | None = None
+    """Expert-parallel group: the ranks holding different experts, between which an MoE layer
+    exchanges tokens. ``None``: no expert parallelism."""
     owner: ProcessGroup | None = None
     """The owner group (Note [owner groups]); ``None``: ``dp`` is the owner group."""
     replica: ProcessGroup | None = None
@@ -77,6 +98,20 @@ class ProcessGroups:
         return 0 if self.replica is None else dist.get_rank(self.replica)
 
     @property
+    def expert_parallel_size(self) -> int:
+        return 1 if self.expert_parallel is None else dist.get_world_size(self.expert_parallel)
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        """Which experts this rank holds: position ``r`` holds experts ``[r * n/E, (r + 1) * n/E)``."""
+        return 0 if self.expert_parallel is None else dist.get_rank(self.expert_parallel)
+
+    @property
+    def expert_group(self) -> ProcessGroup | None:
+        """The group expert gradients are reduced over: ``expert_dp``, or the owner group without expert parallelism."""
+        return self.expert_dp if self.expert_parallel is not None else self.owner_group
+
+    @property
     def separate_all_gather(self) -> bool:
         return self.dp_all_gather is not None and self.dp_all_gather is not self.owner_group
 
@@ -88,7 +123,7 @@ class ProcessGroups:
         """
         seen = []
         for group in (self.dp_all_gather, self.replica, self.owner, self.dp, self.expert_dp_all_gather,
-                      self.expert_dp):
+                      self.expert_dp, self.expert_parallel):
             if group is not None and all(group is not g for g in seen) and dist.is_initialized():
                 seen.append(group)
                 dist.destroy_process_group(group)
@@ -105,6 +140,7 @@ class ProcessGroups:
         backend: str | None = None,
         timeout: timedelta | None = None,
         owner_group_size: int | None = None,
+        expert_parallel_size: int = 1,
     ) -> "ProcessGroups":
         """Groups over every rank of the initialized default group.
 
@@ -121,11 +157,16 @@ class ProcessGroups:
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or world % g:
             raise ValueError(f"owner group size {owner_group_size!r} does not divide the {world} data-parallel "
                              f"ranks; pass a divisor of {world} (e.g. the GPUs per node), or None for one group.")
+        E = expert_parallel_size
+        if isinstance(E, bool) or not isinstance(E, int) or E < 1 or world % E:
+            raise ValueError(f"expert_parallel_size={expert_parallel_size!r} does not divide the {world} ranks; pass "
+                             f"a divisor of {world}, or 1 for no expert parallelism.")
         kwargs = {"backend": backend, "timeout": timeout}
         dp = dist.new_group(list(range(world)), **kwargs)
+        experts = cls._expert_groups(world, rank, E, separate_all_gather, kwargs) if E > 1 else {}
         if g == world:
             all_gather = dist.new_group(list(range(world)), **kwargs) if separate_all_gather else dp
-            return cls(dp=dp, dp_all_gather=all_gather)
+            return cls(dp=dp, dp_all_gather=all_gather, **experts)
         # Every rank takes part in creating every group (torch requires it), keeping its own.
         owner = replica = all_gather = None
         for k in range(world // g):
@@ -139,4 +180,22 @@ class ProcessGroups:
             group = dist.new_group(ranks, **kwargs)
             if rank in ranks:
                 replica = group
-        return cls(dp=dp, dp_all_gather=all_gather, owner=owner, replica=replica)
+        return cls(dp=dp, dp_all_gather=all_gather, owner=owner, replica=replica, **experts)
+
+    @staticmethod
+    def _expert_groups(world: int, rank: int, E: int, separate_all_gather: bool, kwargs: dict) -> dict:
+        """Expert-parallel groups of ``E`` consecutive ranks and the strided expert data-parallel groups
+        (Note [expert parallelism]). Every rank takes part in creating every group."""
+        out: dict = {}
+        for k in range(world // E):
+            ranks = list(range(k * E, (k + 1) * E))
+            group = dist.new_group(ranks, **kwargs)
+            if rank in ranks:
+                out["expert_parallel"] = group
+        for i in range(E):
+            ranks = list(range(i, world, E))
+            group = dist.new_group(ranks, **kwargs)
+            gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
+            if rank in ranks:
+                out["expert_dp"], out["expert_dp_all_gather"] = group, gather
+        return out

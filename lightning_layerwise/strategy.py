@@ -58,6 +58,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE, choose_owner_group_size, param_specs
+from .experts import check_expert_marks, expert_parameter_names
 from .optim.elementwise import elementwise_parameters, resolve_optimizer_classes
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import MasterWeights, layerwise_precision
@@ -138,6 +139,14 @@ class LayerwiseStrategy(DDPStrategy):
             the world size that needs the least memory per rank, preferring groups
             inside a node (Note [choosing the owner group size] in ``layout.py``);
             ``None``: one group of every rank; an integer must divide the world size.
+        expert_parallel_size: ``E > 1`` spreads the experts of a mixture-of-experts model over
+            expert-parallel groups of ``E`` consecutive ranks (Note [expert parallelism] in
+            ``process_groups.py``): the model builds only the experts of
+            :attr:`expert_parallel_rank` in containers marked with
+            :func:`lightning_layerwise.mark_experts`, exchanges tokens over
+            ``strategy.process_groups.expert_parallel``, and expert gradients are
+            reduced over the ranks holding the same experts. ``E`` must divide the world
+            size and every marked layer's expert count. See docs/moe.md.
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -161,6 +170,7 @@ class LayerwiseStrategy(DDPStrategy):
         elementwise_fill: bool = True,
         elementwise_optimizers: Sequence[Union[type, str]] = (),
         owner_group_size: Union[int, Literal["auto"], None] = "auto",
+        expert_parallel_size: int = 1,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -203,10 +213,15 @@ class LayerwiseStrategy(DDPStrategy):
                              "optimizer classes or import paths, e.g. ['my_package.optim.Lion'].")
         elementwise_classes = resolve_optimizer_classes(elementwise_optimizers,
                                                         "LayerwiseStrategy(elementwise_optimizers=...)")
-        if owner_group_size not in ("auto", None) and (isinstance(owner_group_size, bool)
-                                                        or not isinstance(owner_group_size, int) or owner_group_size < 1):
+        bad_size = isinstance(owner_group_size, bool) or not isinstance(owner_group_size, int) or owner_group_size < 1
+        if owner_group_size not in ("auto", None) and bad_size:
             raise ValueError(f"LayerwiseStrategy(owner_group_size={owner_group_size!r}): pass 'auto', None (one group "
                              "of every rank) or a positive integer that divides the number of ranks, e.g. 8.")
+        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
+                or expert_parallel_size < 1:
+            raise ValueError(f"LayerwiseStrategy(expert_parallel_size={expert_parallel_size!r}): pass a positive "
+                             "integer that divides the number of ranks and every MoE layer's expert count "
+                             "(1: no expert parallelism).")
         if timeout is not None and not isinstance(timeout, timedelta):
             raise ValueError(f"LayerwiseStrategy(timeout={timeout!r}): pass a datetime.timedelta, e.g. "
                              "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "
@@ -238,6 +253,7 @@ class LayerwiseStrategy(DDPStrategy):
         self.elementwise_fill = elementwise_fill
         self.elementwise_optimizers = elementwise_classes
         self.owner_group_size = owner_group_size
+        self.expert_parallel_size = expert_parallel_size
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
         self._steps = 0  # optimizer steps this fit, for replica_check_every
@@ -290,9 +306,11 @@ class LayerwiseStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         self._released_ownership = None
         elementwise = self._elementwise_predicate()
+        experts = self._expert_names()
         groups = ProcessGroups.create(
             separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
             timeout=self._timeout, owner_group_size=self._resolve_owner_group_size(elementwise),
+            expert_parallel_size=self.expert_parallel_size,
         )
         self._groups = groups
         self.model = LayerwiseDataParallel(
@@ -306,9 +324,61 @@ class LayerwiseStrategy(DDPStrategy):
             broadcast_buffers=self.broadcast_buffers,
             param_read_guard=self.param_read_guard,
             elementwise=elementwise,
+            expert=(lambda name, p: name in experts) if experts else None,
         )
         for optimizer in self.optimizers:
             self.model.use_shards_in(optimizer)
+
+    @property
+    def process_groups(self) -> Optional[ProcessGroups]:
+        """The process groups of this fit (``None`` before setup and after teardown); an MoE layer
+        exchanges tokens over ``process_groups.expert_parallel``."""
+        return self._groups
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        """Which experts this rank holds (position in its expert-parallel group): known before setup, so a
+        model can build only its experts in ``configure_model`` (Note [expert parallelism])."""
+        self._check_expert_parallel_size()
+        return self.global_rank % self.expert_parallel_size
+
+    def _check_expert_parallel_size(self) -> None:
+        if self.world_size % self.expert_parallel_size:
+            raise ValueError(f"LayerwiseStrategy(expert_parallel_size={self.expert_parallel_size}) does not divide "
+                             f"the {self.world_size} ranks of this run; pass a divisor of {self.world_size}.")
+
+    def _expert_names(self) -> frozenset:
+        """The expert parameters' names, after checking ``expert_parallel_size`` and the marks on every rank.
+
+        Every rank learns every rank's verdict (one ``all_gather_object``) before any group is
+        created, so a mark missing on one rank is the same error everywhere instead of a hang.
+        """
+        module = self.lightning_module
+        E = self.expert_parallel_size
+        self._check_expert_parallel_size()
+        error = None
+        try:
+            check_expert_marks(module, E)
+        except ValueError as e:
+            error = str(e)
+        names = expert_parameter_names(module)
+        if error is None and E > 1 and not names:
+            error = (f"LayerwiseStrategy(expert_parallel_size={E}) but the model marks no experts: put each MoE "
+                     "layer's local experts in a container marked with lightning_layerwise.mark_experts.")
+        verdicts = [(error, sorted(names))]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            verdicts = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, (error, sorted(names)))
+        for rank, (their_error, _) in enumerate(verdicts):
+            if their_error is not None:
+                raise ValueError(f"rank {rank}: {their_error}")
+        for rank, (_, theirs) in enumerate(verdicts):
+            if set(theirs) != names:
+                diff = sorted(set(theirs) ^ names)
+                raise ValueError(f"expert parameters are marked differently on rank {rank} and rank "
+                                 f"{self.global_rank}: {diff[:3]} is an expert parameter on one and not the other. "
+                                 "Mark the same containers with lightning_layerwise.mark_experts on every rank.")
+        return names
 
     def _resolve_owner_group_size(self, elementwise) -> int:
         """The owner group size for this world: the argument, or the layout's choice for ``"auto"``."""
@@ -366,6 +436,10 @@ class LayerwiseStrategy(DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self.configure_ddp()
+        elif self.expert_parallel_size > 1:
+            raise ValueError(f"LayerwiseStrategy(expert_parallel_size={self.expert_parallel_size}) runs inside fit "
+                             "only (validation during fit works); for trainer.validate/test/predict use "
+                             "expert_parallel_size=1 with a model that holds every expert.")
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -527,6 +601,13 @@ class LayerwiseStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
+        if self.expert_parallel_size > 1:
+            # Expert parameters have the same local names on every expert-parallel rank; writing them
+            # would make one rank's experts overwrite the others'.
+            raise ckpt.CheckpointError(
+                f"checkpoints with expert_parallel_size={self.expert_parallel_size} are not supported yet: the "
+                "experts of different ranks share local names. Train without checkpoints, or with "
+                "expert_parallel_size=1.")
         target = self.broadcast(str(filepath))
         local = _is_local_path(target)  # on the string: Path("s3://b/x") would read "s3:/b/x", a local path
         path = Path(target)

@@ -16,15 +16,23 @@ TRAIN = str(ROOT / "examples" / "train.py")
 CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
 
 
+TRAIN_MOE = str(ROOT / "examples" / "train_moe.py")
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_print_config(config, tmp_path):
-    result = subprocess.run([sys.executable, TRAIN, "fit", "--config", str(config), "--print_config"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    moe = config.stem.startswith("moe")
+    result = subprocess.run([sys.executable, TRAIN_MOE if moe else TRAIN, "fit", "--config", str(config),
+                             "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     printed = yaml.safe_load(result.stdout)
     strategy = printed["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_layerwise.LayerwiseStrategy"
     assert strategy["init_args"]["bucket_size"] > 0
+    if moe:  # the MoE example: experts over 2 expert-parallel ranks, Muon built inside the module
+        assert strategy["init_args"]["expert_parallel_size"] == 2
+        assert printed["model"]["num_experts"] % 2 == 0 and printed["model"]["lr"] == 0.02
+        return
     assert printed["model"]["optimizer"]["class_path"] == "lightning_layerwise.Muon"
     assert printed["model"]["optimizer"]["init_args"]["lr"] == 0.02
 

@@ -43,6 +43,8 @@ def gpt(seed: int = 0) -> nn.Module:
 
 
 def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":  # AdamW and Muon are blind to a constant gradient scale; SGD is not
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     return Muon(muon_param_groups(model), lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, adamw_lr=3e-3,
@@ -138,7 +140,8 @@ def _muon_names(model: nn.Module) -> set[str]:
 
 @functools.cache
 def gpt_run(world: int, owner_group_size: int | None = None) -> list[dict]:
-    return run_distributed(_gpt_worker, world, ["adamw", "muon"], owner_group_size)
+    names = ["adamw", "muon"] + (["sgd"] if owner_group_size else [])
+    return run_distributed(_gpt_worker, world, names, owner_group_size)
 
 
 @pytest.mark.slow
@@ -304,9 +307,10 @@ def test_a_split_parameter_used_by_some_ranks_or_none_steps_as_one_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+@pytest.mark.parametrize("opt_name", ["adamw", "muon", "sgd"])
 def test_four_ranks_as_two_owner_groups_of_two_equal_one_process(opt_name):
-    """4 ranks as 2 groups x 2: planned for 2 ranks, reduce-scattered in each group, all-reduced across."""
+    """4 ranks as 2 groups x 2: planned for 2 ranks, reduce-scattered in each group, all-reduced across.
+    SGD checks the averaging (a sum instead of a mean across groups fails it)."""
     results = [r[opt_name] for r in gpt_run(4, 2)]
     worst = assert_matches(results, gpt_reference(opt_name), f"{opt_name}, 4 ranks as 2 x 2")
     print(f"{opt_name} 2x2: max rel err {worst:.2e}, split {results[0]['split']}")

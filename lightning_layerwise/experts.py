@@ -1,0 +1,58 @@
+"""Marking the expert parameters of a mixture-of-experts model (Note [expert parallelism] in process_groups.py).
+
+A model with expert parallelism builds, on each rank, only its *local* experts: with
+``expert_parallel_size=E`` and ``n`` experts, the rank at position ``r`` of its
+expert-parallel group holds experts ``[r * n/E, (r + 1) * n/E)``. It puts them in one
+container per layer and marks that container once::
+
+    self.experts = llw.mark_experts(nn.ModuleList(make_expert(i) for i in local_ids), num_experts=n)
+
+Every parameter under a marked container is an expert parameter: it gets a buffer
+of its own, reduced and gathered over the expert data-parallel group. The marks
+are checked on every rank before any work (:func:`check_expert_marks`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+EXPERTS_ATTRIBUTE = "llw_num_experts"
+
+
+def mark_experts(experts: nn.Module, num_experts: int) -> nn.Module:
+    """Marks ``experts`` (the local experts of one MoE layer) as holding ``len(experts)`` of ``num_experts``."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"mark_experts(num_experts={num_experts!r}): pass the layer's total number of experts "
+                         "(over every expert-parallel rank), an integer >= 1.")
+    if not isinstance(experts, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        raise ValueError(f"mark_experts expects the container of the local experts (nn.ModuleList), got "
+                         f"{type(experts).__name__}.")
+    setattr(experts, EXPERTS_ATTRIBUTE, num_experts)
+    return experts
+
+
+def marked_containers(module: nn.Module) -> dict[str, nn.Module]:
+    """The marked expert containers of ``module`` by their path."""
+    return {name: m for name, m in module.named_modules() if hasattr(m, EXPERTS_ATTRIBUTE)}
+
+
+def expert_parameter_names(module: nn.Module) -> frozenset[str]:
+    """Names (as ``named_parameters`` gives them) of the parameters under a marked container."""
+    prefixes = [f"{path}." if path else "" for path in marked_containers(module)]
+    return frozenset(n for n, _ in module.named_parameters() if any(n.startswith(p) for p in prefixes))
+
+
+def check_expert_marks(module: nn.Module, expert_parallel_size: int) -> None:
+    """Raises if a marked layer's expert count is not divisible by ``expert_parallel_size`` or a rank
+    holds another number of local experts than ``num_experts / expert_parallel_size``."""
+    for path, container in marked_containers(module).items():
+        total = getattr(container, EXPERTS_ATTRIBUTE)
+        if total % expert_parallel_size:
+            raise ValueError(f"the MoE layer {path!r} has {total} experts, which expert_parallel_size="
+                             f"{expert_parallel_size} does not divide; choose an expert_parallel_size that divides "
+                             f"{total}.")
+        local, per_rank = len(container), total // expert_parallel_size
+        if local != per_rank:
+            raise ValueError(f"the MoE layer {path!r} holds {local} local experts on this rank, but {total} experts "
+                             f"over expert_parallel_size={expert_parallel_size} ranks is {per_rank} per rank; build "
+                             "only this rank's experts (strategy.expert_parallel_rank says which).")
