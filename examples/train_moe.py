@@ -5,8 +5,10 @@ Run from the repository root (after ``bash scripts/setup_env.sh examples``)::
     # 4 CPU processes as 2 expert-parallel ranks x 2 expert data-parallel ranks
     .venv/bin/python examples/train_moe.py fit --config examples/configs/moe_cpu.yaml
 
-Checkpoints with ``expert_parallel_size > 1`` are not supported yet, so the config
-turns checkpointing off.
+    # resume its sharded checkpoint at another expert-parallel size, e.g. every expert on each of 2 ranks
+    .venv/bin/python examples/train_moe.py fit --config examples/configs/moe_cpu.yaml --trainer.devices 2 \
+        --trainer.strategy.init_args.expert_parallel_size 1 --trainer.max_steps 300 \
+        --ckpt_path runs/moe/moe_gpt/version_0/checkpoints/<name>.ckpt
 """
 
 from __future__ import annotations

@@ -46,6 +46,20 @@ Note [gathering a full checkpoint]
     at a time; a sender moves a tensor to that device (a no-op for GPU state on
     NCCL) only while it sends it.
 
+Note [expert checkpoints]
+    With expert parallelism (Note [expert parallelism] in ``process_groups.py``) the
+    experts of a layer have the same *local* names on every expert-parallel rank. A
+    checkpoint names them as a model holding every expert would
+    (``experts.j`` of the rank at position ``r`` is ``experts.{r * n/E + j}``,
+    :func:`lightning_layerwise.experts.expert_key_map`), model entries and optimizer
+    state alike. Each expert tensor is written once, by its owner in its expert
+    data-parallel group (buffers and frozen expert parameters by the first rank of
+    that group), and on load each rank reads the global names of the experts it
+    holds under the *new* expert-parallel size. The optimizer's param groups, written
+    by rank 0, list only rank 0's experts, so with experts the named form is matched
+    by name rather than by position. The sharded format only: a full checkpoint
+    would need every rank's experts gathered to rank 0.
+
 Note [weights_only]
     Everything this module reads back from a checkpoint it wrote is unpickled
     with ``weights_only=True`` semantics unless the caller passes
@@ -126,42 +140,73 @@ class Ownership:
     group_ranks: tuple[int, ...] = (0,)
     """Global ranks of this rank's owner group, by position (where each piece lives)."""
     writes_state: bool = True
-    """Whether this rank writes its optimizer state: only the first owner group does
-    (Note [owner groups] in process_groups.py); the others hold the same values."""
+    """Whether this rank writes its optimizer state of dense parameters: only the first owner group
+    does (Note [owner groups] in process_groups.py); the others hold the same values."""
+    expert_names: frozenset = frozenset()
+    """Names of the expert parameters this rank holds, in a model holding every expert (Note [expert
+    checkpoints]); their state is always written by their owner."""
+    expert_rank: int = 0
+    """This rank's position in its expert data-parallel group."""
+    expert_group_ranks: tuple[int, ...] = (0,)
+    """Global ranks of that group, by position."""
+    expert_outside: frozenset = frozenset()
+    """Tensors of this rank's experts outside the layout (buffers, frozen parameters)."""
+    writes_expert_shared: bool = False
+    """Whether this rank writes ``expert_outside`` (the first rank of its expert data-parallel group)."""
 
     @classmethod
     def of(cls, wrapper, names: Mapping[torch.Tensor, str], is_global_zero: bool,
-           masters: Iterable[torch.Tensor] = ()) -> "Ownership":
-        """From a :class:`~lightning_layerwise.LayerwiseDataParallel` (``None``: this rank owns everything)."""
+           masters: Iterable[torch.Tensor] = (), rename: Callable[[str], str] = lambda name: name,
+           expert_outside: Iterable[torch.Tensor] = ()) -> "Ownership":
+        """From a :class:`~lightning_layerwise.LayerwiseDataParallel` (``None``: this rank owns everything).
+
+        ``names`` map tensors to checkpoint names; ``rename`` turns the wrapper's (local) names
+        into those (global expert names, Note [expert checkpoints]).
+        """
         if wrapper is None:
             return cls(frozenset(), frozenset(names), frozenset(), frozenset(names.values()), is_global_zero)
-        rank, slots = wrapper.owner_rank, wrapper.layout.params
-        groups = wrapper.process_groups
-        owner_group = groups.owner_group
-        group_ranks = (tuple(dist.get_global_rank(owner_group, r) for r in range(groups.owner_size))
-                       if owner_group is not None else (0,))
-        first_group = groups.replica_rank == 0
-        in_layout = [p for p, _ in wrapper.named_parameters_in_layout()]
+        slots, groups = wrapper.layout.params, wrapper.process_groups
+
+        def global_ranks(group) -> tuple[int, ...]:
+            return (0,) if group is None else tuple(dist.get_global_rank(group, r)
+                                                    for r in range(dist.get_world_size(group)))
+
+        experts = wrapper.expert_parallel_size > 1
+        expert_local = wrapper._expert_names if experts else frozenset()
+        expert_names = frozenset(rename(n) for n in expert_local)
+        local = dict(wrapper.named_parameters_in_layout())
         stepped = list(wrapper.owned_parameters())  # whole parameters and pieces
-        split = {n: slots[n] for p, n in wrapper.named_parameters_in_layout() if slots[n].split}
-        partly = [p for p, n in wrapper.named_parameters_in_layout() if n in split and wrapper.shard_of(p) is not None]
-        first = [p for p in partly if split[names[p]].pieces[0].owner == rank]
-        written = stepped + first + list(masters) if first_group else []
-        return cls(frozenset(in_layout + stepped), frozenset(stepped + partly + list(masters)), frozenset(written),
-                   frozenset(name for name, _ in wrapper.named_owned_parameters()), is_global_zero, split, rank,
-                   group_ranks, first_group)
+        masters = list(masters)
+        split = {rename(n): slots[n] for n in local.values() if slots[n].split}
+        partly = [p for p, n in local.items() if slots[n].split and wrapper.shard_of(p) is not None]
+        first = [p for p in partly if slots[local[p]].pieces[0].owner == wrapper._rank_for(local[p])]
+        first_group = groups.replica_rank == 0
+        written = [t for t in stepped + first + masters if first_group or names.get(t) in expert_names]
+        return cls(frozenset(list(local) + stepped), frozenset(stepped + partly + masters), frozenset(written),
+                   frozenset(rename(n) for n, _ in wrapper.named_owned_parameters()), is_global_zero, split,
+                   wrapper.owner_rank, global_ranks(groups.owner_group), first_group, expert_names,
+                   wrapper.expert_dp_rank, global_ranks(groups.expert_dp) if experts else (0,),
+                   frozenset(expert_outside), experts and wrapper.expert_dp_rank == 0)
 
     def writes(self, tensor: Optional[torch.Tensor]) -> bool:
-        return tensor in self.written if tensor in self.sharded else self.writes_shared
+        if tensor in self.sharded:
+            return tensor in self.written
+        return self.writes_expert_shared if tensor in self.expert_outside else self.writes_shared
 
     def reads(self, tensor: torch.Tensor) -> bool:
         """Model entries and optimizer state this rank keeps: the owned ones and everything shared."""
         return tensor not in self.sharded or tensor in self.owned
 
+    def placement(self, name: str) -> tuple[int, tuple[int, ...]]:
+        """This rank's position among the owners of parameter ``name``, and their global ranks."""
+        if name in self.expert_names:
+            return self.expert_rank, self.expert_group_ranks
+        return self.rank, self.group_ranks
+
     def piece(self, name: str):
         """This rank's :class:`~lightning_layerwise.layout.Piece` of split parameter ``name``, or ``None``."""
         slot = self.split.get(name)
-        return None if slot is None else slot.piece_of(self.rank)
+        return None if slot is None else slot.piece_of(self.placement(name)[0])
 
 
 # --- pieces of split parameters ------------------------------------------------------------
@@ -240,7 +285,7 @@ def pieces_as_sharded_tensors(named: dict[str, Any], ownership: Ownership) -> di
         piece = ownership.piece(name)
         if piece is None or not _is_per_element(value, piece):
             return value
-        return piece_sharded_tensor(value.reshape(-1), ownership.split[name], ownership.rank, ownership.group_ranks)
+        return piece_sharded_tensor(value.reshape(-1), ownership.split[name], *ownership.placement(name))
 
     out = dict(named)
     if "state" in named:
@@ -251,11 +296,13 @@ def pieces_as_sharded_tensors(named: dict[str, Any], ownership: Ownership) -> di
 
 
 def state_to_write(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
-    """``named`` without its state and masters on a rank outside the first owner group, which holds
-    copies of what the first group writes (Note [owner groups] in process_groups.py)."""
+    """``named`` without its dense state and masters on a rank outside the first owner group, which
+    holds copies of what the first group writes (Note [owner groups] in process_groups.py). Expert
+    state is kept: experts are owned in their expert data-parallel group, once in the world."""
     if ownership.writes_state:
         return named
-    return {k: ({} if k in _MERGED_KEYS else v) for k, v in named.items()}
+    return {k: ({n: x for n, x in v.items() if n in ownership.expert_names} if k in _MERGED_KEYS else v)
+            for k, v in named.items()}
 
 
 def mark_pieces(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
@@ -343,28 +390,43 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[torch
 
 def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
                           names: Mapping[torch.Tensor, str], keep: Callable[[torch.Tensor], bool],
-                          pieces: Optional[Mapping[torch.Tensor, tuple[Any, Sequence[int]]]] = None) -> dict[str, Any]:
+                          pieces: Optional[Mapping[torch.Tensor, tuple[Any, Sequence[int]]]] = None,
+                          is_expert: Callable[[str], bool] = lambda name: False) -> dict[str, Any]:
     """A saved state dict (named or indexed) as ``optimizer.load_state_dict`` input, state only where ``keep``.
 
     ``pieces`` maps each piece of a split parameter the optimizer steps to its
     ``(Piece, full shape)``: its per-element state is cut to the piece (Note [pieces in
     checkpoints]). Raises :class:`CheckpointError` if the param groups do not line up.
+    With expert parameters (``is_expert`` of a name), the named form is matched by name:
+    each rank holds other experts than the rank that wrote the param groups (Note
+    [expert checkpoints]); the dense names of each group must still agree.
     """
     saved_groups, groups = saved["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(groups):
         raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param group(s), this optimizer "
                               f"{len(groups)}; build the param groups as in the run that saved it.")
     by_saved_id: dict[Any, torch.Tensor] = {}
-    for g_index, (saved_group, group) in enumerate(zip(saved_groups, groups)):
-        if len(saved_group["params"]) != len(group["params"]):
-            raise CheckpointError(f"param group {g_index} has {len(saved_group['params'])} parameters in the "
-                                  f"checkpoint and {len(group['params'])} in this optimizer.")
-        for position, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
-            if isinstance(saved_id, str) and saved_id != names.get(p):
-                raise CheckpointError(f"param group {g_index}, position {position}: the checkpoint has "
-                                      f"{saved_id!r} where this optimizer has {names.get(p)!r}; build the param "
-                                      "groups in the same order as the run that saved it.")
-            by_saved_id[saved_id] = p
+    named_form = all(isinstance(i, str) for g in saved_groups for i in g["params"])
+    if named_form and any(is_expert(names.get(p, "")) for g in groups for p in g["params"]):
+        for g_index, (saved_group, group) in enumerate(zip(saved_groups, groups)):
+            saved_dense = [n for n in saved_group["params"] if not is_expert(n)]
+            dense = [names.get(p) for p in group["params"] if not is_expert(names.get(p, ""))]
+            if saved_dense != dense:
+                raise CheckpointError(f"param group {g_index}: the checkpoint's dense parameters "
+                                      f"{saved_dense[:3]}... differ from this optimizer's {dense[:3]}...; build the "
+                                      "param groups as in the run that saved it.")
+            by_saved_id.update((names[p], p) for p in group["params"])
+    else:
+        for g_index, (saved_group, group) in enumerate(zip(saved_groups, groups)):
+            if len(saved_group["params"]) != len(group["params"]):
+                raise CheckpointError(f"param group {g_index} has {len(saved_group['params'])} parameters in the "
+                                      f"checkpoint and {len(group['params'])} in this optimizer.")
+            for position, (saved_id, p) in enumerate(zip(saved_group["params"], group["params"])):
+                if isinstance(saved_id, str) and saved_id != names.get(p):
+                    raise CheckpointError(f"param group {g_index}, position {position}: the checkpoint has "
+                                          f"{saved_id!r} where this optimizer has {names.get(p)!r}; build the param "
+                                          "groups in the same order as the run that saved it.")
+                by_saved_id[saved_id] = p
     local_id = {p: i for i, p in enumerate(chain.from_iterable(g["params"] for g in groups))}
     pieces = pieces or {}
     state = {}
@@ -754,7 +816,9 @@ def nest(entries: Mapping[tuple, Any]) -> dict[str, Any]:
 
 def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], ownership: Ownership,
                             n_optimizers: int, strict: bool, model_name: str,
-                            weights_only: Optional[bool] = None) -> tuple[dict[str, Any], Optional[list]]:
+                            weights_only: Optional[bool] = None,
+                            other_experts: Callable[[str], bool] = lambda key: False
+                            ) -> tuple[dict[str, Any], Optional[list]]:
     """Reads this rank's part of a sharded checkpoint into ``tensors`` (in place) and returns what else it holds.
 
     ``tensors`` is ``module.state_dict(keep_vars=True)``; each rank reads the model
@@ -766,8 +830,9 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
     meta, metadata = read_sharded_metadata(path, weights_only)
     items = checkpoint_items(metadata)
     saved_keys = {p[1] for p in items if p[0] == MODEL_KEY and len(p) == 2}
-    if strict:
-        missing, unexpected = sorted(set(tensors) - saved_keys), sorted(saved_keys - set(tensors))
+    if strict:  # the experts other ranks hold are neither missing nor unexpected (Note [expert checkpoints])
+        missing = sorted(set(tensors) - saved_keys)
+        unexpected = sorted(k for k in saved_keys - set(tensors) if not other_experts(k))
         if missing or unexpected:
             raise CheckpointError(
                 f"sharded checkpoint {str(path)!r} does not match {model_name}: missing keys {missing[:10]}, "
@@ -796,7 +861,7 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
                     # Only this rank's piece is read (Note [pieces in checkpoints]).
                     flat = torch.empty(piece.numel, dtype=item.properties.dtype)
                     pieces[item_path] = flat
-                    entries[item_path] = piece_sharded_tensor(flat, slot, ownership.rank, ownership.group_ranks)
+                    entries[item_path] = piece_sharded_tensor(flat, slot, *ownership.placement(item_path[2]))
     state = nest(entries)
     with torch.no_grad():
         load_sharded(path, state, weights_only=weights_only)

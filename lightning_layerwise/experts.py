@@ -56,3 +56,37 @@ def check_expert_marks(module: nn.Module, expert_parallel_size: int) -> None:
             raise ValueError(f"the MoE layer {path!r} holds {local} local experts on this rank, but {total} experts "
                              f"over expert_parallel_size={expert_parallel_size} ranks is {per_rank} per rank; build "
                              "only this rank's experts (strategy.expert_parallel_rank says which).")
+
+
+def expert_key_map(module: nn.Module, expert_rank: int) -> dict[str, str]:
+    """``state_dict`` key of every tensor under a marked container -> its name in a model holding every
+    expert: local expert ``j`` of the rank at expert-parallel position ``expert_rank`` is expert
+    ``expert_rank * len(container) + j`` (Note [expert parallelism] in ``process_groups.py``).
+
+    Checkpoints use these global names, so they reshard across expert-parallel sizes.
+    """
+    mapping = {}
+    keys = list(module.state_dict(keep_vars=True))
+    for path, container in marked_containers(module).items():
+        prefix = f"{path}." if path else ""
+        first = expert_rank * len(container)
+        for key in keys:
+            if not key.startswith(prefix):
+                continue
+            index, dot, rest = key[len(prefix):].partition(".")
+            if dot and index.isdigit():
+                mapping[key] = f"{prefix}{first + int(index)}.{rest}"
+    return mapping
+
+
+def expert_key_predicate(module: nn.Module):
+    """Whether a ``state_dict`` key (local or global) names a tensor of some expert of a marked layer."""
+    prefixes = tuple(f"{path}." if path else "" for path in marked_containers(module))
+
+    def is_expert_key(key: str) -> bool:
+        for prefix in prefixes:
+            if key.startswith(prefix) and key[len(prefix):].partition(".")[0].isdigit():
+                return True
+        return False
+
+    return is_expert_key

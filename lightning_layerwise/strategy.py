@@ -58,7 +58,7 @@ from typing_extensions import override
 from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE, choose_owner_group_size, param_specs
-from .experts import check_expert_marks, expert_parameter_names
+from .experts import check_expert_marks, expert_key_map, expert_key_predicate, expert_parameter_names
 from .optim.elementwise import elementwise_parameters, resolve_optimizer_classes
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import MasterWeights, layerwise_precision
@@ -263,6 +263,7 @@ class LayerwiseStrategy(DDPStrategy):
         self._sync_after_step = False  # complete the all-gather inside optimizer_step (see setup)
         self._groups: Optional[ProcessGroups] = None  # created by configure_ddp, destroyed by teardown
         self._released_ownership: Optional[ckpt.Ownership] = None  # the last layout's, kept by teardown
+        self._expert_map: dict[str, str] = {}  # local -> global expert names (Note [expert checkpoints])
 
     # --- accelerators ----------------------------------------------------------------
     @property
@@ -307,6 +308,8 @@ class LayerwiseStrategy(DDPStrategy):
         self._released_ownership = None
         elementwise = self._elementwise_predicate()
         experts = self._expert_names()
+        self._expert_map = (expert_key_map(self.lightning_module, self.expert_parallel_rank)
+                            if self.expert_parallel_size > 1 else {})
         groups = ProcessGroups.create(
             separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
             timeout=self._timeout, owner_group_size=self._resolve_owner_group_size(elementwise),
@@ -450,7 +453,7 @@ class LayerwiseStrategy(DDPStrategy):
             self._check_optimizers()
             if self._half_true() and self.optimizers:
                 self._masters = MasterWeights(self.wrapper, self.optimizers[0])
-            self._names = _parameter_names(self.lightning_module, self._masters, self.wrapper)
+            self._names = self._checkpoint_names()
             self._sync_after_step = self._needs_sync_after_step(trainer)
 
     @override
@@ -585,7 +588,7 @@ class LayerwiseStrategy(DDPStrategy):
         """
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        names = self._names or _parameter_names(self.lightning_module, self._masters, self.wrapper)
+        names = self._names or self._checkpoint_names()
         named = ckpt.named_optimizer_state(optimizer, names)
         if self._masters is not None:
             named["master_weights"] = self._masters.state_dict()
@@ -601,13 +604,13 @@ class LayerwiseStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
-        if self.expert_parallel_size > 1:
-            # Expert parameters have the same local names on every expert-parallel rank; writing them
-            # would make one rank's experts overwrite the others'.
+        if self.expert_parallel_size > 1 and self.checkpoint_format == "full":
+            # Rank 0 holds only its own experts; a full file would need every rank's gathered to it.
             raise ckpt.CheckpointError(
-                f"checkpoints with expert_parallel_size={self.expert_parallel_size} are not supported yet: the "
-                "experts of different ranks share local names. Train without checkpoints, or with "
-                "expert_parallel_size=1.")
+                f"checkpoint_format='full' with expert_parallel_size={self.expert_parallel_size} is not supported "
+                "yet: rank 0 holds only its own experts. Use checkpoint_format='sharded' (it reshards across "
+                "expert-parallel sizes) and `python -m lightning.pytorch.utilities.consolidate_checkpoint` for "
+                "one file.")
         target = self.broadcast(str(filepath))
         local = _is_local_path(target)  # on the string: Path("s3://b/x") would read "s3:/b/x", a local path
         path = Path(target)
@@ -629,10 +632,10 @@ class LayerwiseStrategy(DDPStrategy):
             raise ValueError(f"LayerwiseStrategy(checkpoint_format='sharded') writes to a local or mounted "
                              f"filesystem, not {str(filepath)!r}; use checkpoint_format='full' for remote storage.")
         checkpoint = dict(checkpoint)
-        tensors = self.lightning_module.state_dict(keep_vars=True)
+        tensors = self._checkpoint_state(self.lightning_module.state_dict(keep_vars=True))
         ownership = self._ownership()
-        state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(checkpoint.pop("state_dict"), tensors,
-                                                                             ownership)}
+        state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(
+            self._checkpoint_state(checkpoint.pop("state_dict")), tensors, ownership)}
         for index, named in enumerate(checkpoint.pop("optimizer_states", [])):
             named = ckpt.pieces_as_sharded_tensors(ckpt.state_to_write(named, ownership), ownership)
             if not self.is_global_zero:
@@ -640,7 +643,8 @@ class LayerwiseStrategy(DDPStrategy):
             state[ckpt.optimizer_key(index)] = named
         checkpoint["layerwise"] = {"format": ckpt.FORMAT, "version": ckpt.FORMAT_VERSION,
                                    "world_size": self.world_size, "bucket_size": self.bucket_size,
-                                   "owner_group_size": self._groups.owner_size if self._groups else self.world_size}
+                                   "owner_group_size": self._groups.owner_size if self._groups else self.world_size,
+                                   "expert_parallel_size": self.expert_parallel_size}
         with self._naming_failures(f"saving the sharded checkpoint {str(path)!r}"):
             ckpt.save_sharded(path, state, checkpoint if self.is_global_zero else None)
 
@@ -668,9 +672,24 @@ class LayerwiseStrategy(DDPStrategy):
         if self.wrapper is None and self._released_ownership is not None:
             # After fit: the optimizer still steps the pieces of the released layout.
             return self._released_ownership
-        names = self._names or _parameter_names(self.lightning_module, self._masters, self.wrapper)
+        names = self._names or self._checkpoint_names()
         masters = [m for _, m in self._masters.pairs] if self._masters is not None else []
-        return ckpt.Ownership.of(self.wrapper, names, self.is_global_zero, masters)
+        tensors = self.lightning_module.state_dict(keep_vars=True)
+        in_layout = set() if self.wrapper is None else {p for p, _ in self.wrapper.named_parameters_in_layout()}
+        expert_outside = [t for k, t in tensors.items() if k in self._expert_map and t not in in_layout]
+        return ckpt.Ownership.of(self.wrapper, names, self.is_global_zero, masters, self._global_name, expert_outside)
+
+    def _global_name(self, key: str) -> str:
+        """A parameter's or state-dict key's name in checkpoints (Note [expert checkpoints] in checkpoint.py)."""
+        return self._expert_map.get(key, key)
+
+    def _checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` (this rank's module) with expert keys under their global names."""
+        return {self._global_name(k): v for k, v in state_dict.items()} if self._expert_map else state_dict
+
+    def _checkpoint_names(self) -> dict[torch.Tensor, str]:
+        names = _parameter_names(self.lightning_module, self._masters, self.wrapper)
+        return {t: self._global_name(n) for t, n in names.items()} if self._expert_map else names
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -707,8 +726,8 @@ class LayerwiseStrategy(DDPStrategy):
         fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
         n_optimizers = len(self.optimizers) if fitting else 0
         meta, optimizer_states = ckpt.read_sharded_checkpoint(
-            path, module.state_dict(keep_vars=True), self._ownership(), n_optimizers, module.strict_loading,
-            type(module).__name__, weights_only)
+            path, self._checkpoint_state(module.state_dict(keep_vars=True)), self._ownership(), n_optimizers,
+            module.strict_loading, type(module).__name__, weights_only, other_experts=expert_key_predicate(module))
         self._after_model_load()
         if optimizer_states is not None:
             meta["optimizer_states"] = optimizer_states
@@ -726,6 +745,10 @@ class LayerwiseStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # sharded: already read by load_checkpoint
             return
+        if self.expert_parallel_size > 1:
+            raise ckpt.CheckpointError(
+                f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is not "
+                "supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
         self.sync_parameters()
         super().load_model_state_dict(checkpoint, strict=strict)
         self._after_model_load()
@@ -736,11 +759,12 @@ class LayerwiseStrategy(DDPStrategy):
         if len(states) != len(self.optimizers):
             raise ckpt.CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
                                        f"configures {len(self.optimizers)}.")
-        names = self._names or _parameter_names(self.lightning_module, self._masters, self.wrapper)
+        names = self._names or self._checkpoint_names()
         keep = self._ownership().reads  # another rank steps the rest: state exists once in the world
         pieces = self._pieces()
         for optimizer, saved in zip(self.optimizers, states):
-            local = ckpt.local_optimizer_state(saved, optimizer, names, keep, pieces)
+            local = ckpt.local_optimizer_state(saved, optimizer, names, keep, pieces,
+                                               is_expert=expert_key_predicate(self.lightning_module))
             local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off the mmap'd file
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, self.root_device)

@@ -18,8 +18,10 @@ class FakeWrapper:
     def __init__(self, module: nn.Module, owned: set[str], rank: int = 0, layout=None, shards=None):
         self.named = dict(module.named_parameters())
         self.owned = owned
-        self.owner_rank = rank
+        self.owner_rank = self.expert_dp_rank = rank
         self.process_groups = ProcessGroups.single()
+        self.expert_parallel_size = 1
+        self._expert_names = frozenset()
         self.shards = shards or {}  # name -> this rank's piece parameter
         self.layout = layout or SimpleNamespace(params={n: SimpleNamespace(split=False) for n in self.named})
 
@@ -32,6 +34,9 @@ class FakeWrapper:
     def named_owned_parameters(self):
         yield from ((n, self.named[n]) for n in self.owned)
         yield from self.shards.items()
+
+    def _rank_for(self, name):
+        return self.owner_rank
 
     def shard_of(self, p):
         return next((s for n, s in self.shards.items() if self.named[n] is p), None)

@@ -64,20 +64,21 @@ def global_names(model: nn.Module, first_expert: int) -> dict[str, torch.Tensor]
 
 
 @functools.cache
-def reference(opt_name: str) -> dict[str, torch.Tensor]:
+def reference(opt_name: str, epochs_of_half: bool = False) -> dict[str, torch.Tensor]:
+    """One process holding every expert; ``epochs_of_half``: two epochs of the first STEPS // 2 batches."""
     model = moe_gpt()
     opt = optimizer(opt_name, model)
-    for tokens in batches():
+    for tokens in (batches()[:STEPS // 2] * 2 if epochs_of_half else batches()):
         opt.zero_grad()
         loss_fn(model, tokens).backward()
         opt.step()
     return global_names(model, 0)
 
 
-def _worker(rank: int, world: int, E: int, opt_names: list[str]) -> dict:
+def _worker(rank: int, world: int, E: int, opt_names: list[str], owner_group_size: int | None = None) -> dict:
     out = {}
     for opt_name in opt_names:
-        groups = ProcessGroups.create(expert_parallel_size=E)
+        groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=owner_group_size)
         model = moe_gpt(E, groups.expert_parallel_rank)
         check_expert_marks(model, E)
         model.set_expert_group(groups.expert_parallel)
@@ -104,8 +105,8 @@ def _worker(rank: int, world: int, E: int, opt_names: list[str]) -> dict:
 
 
 @functools.cache
-def run(world: int, E: int) -> list[dict]:
-    return run_distributed(_worker, world, E, ["adamw", "muon", "sgd"])
+def run(world: int, E: int, owner_group_size: int | None = None) -> list[dict]:
+    return run_distributed(_worker, world, E, ["adamw", "muon", "sgd"], owner_group_size)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -113,11 +114,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,E", [(4, 2), (4, 4), (2, 1)])
+@pytest.mark.parametrize("world,E,g", [(4, 2, None), (4, 4, None), (2, 1, None), (4, 2, 2)])
 @pytest.mark.parametrize("opt_name", ["adamw", "muon", "sgd"])
-def test_expert_parallel_training_equals_one_process_holding_every_expert(world, E, opt_name):
+def test_expert_parallel_training_equals_one_process_holding_every_expert(world, E, g, opt_name):
+    """``g``: dense owner groups of that size next to the expert groups (ranks {0,1}, {2,3})."""
     ref = reference(opt_name)
-    results = [r[opt_name] for r in run(world, E)]
+    results = [r[opt_name] for r in run(world, E, g)]
     assert [r["expert_rank"] for r in results] == [rank % E for rank in range(world)]
     assert all(r["expert_buffers"] == [world // E] for r in results), "expert buffers planned for expert-DP ranks"
     worst = 0.0
@@ -149,7 +151,7 @@ def test_bad_expert_marks_are_clear_errors():
 # --- through the Trainer ----------------------------------------------------------------------------
 
 
-def _trainer_worker(rank, world, strategy_kwargs, broken=None):
+def _trainer_worker(rank, world, strategy_kwargs, broken=None, opt_name="sgd", save_dir=None, resume=None):
     import lightning as L
 
     import lightning_layerwise as llw
@@ -171,15 +173,22 @@ def _trainer_worker(rank, world, strategy_kwargs, broken=None):
             return loss_fn(self.model, batch[0])
 
     tokens = torch.cat(batches())  # step s uses rows [s*8, (s+1)*8); rank r its chunk of them
-    data = [(tokens[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH].chunk(world)[rank],) for s in range(STEPS)]
+    steps = STEPS // 2 if save_dir is not None or resume is not None else STEPS  # checkpoints: 2 epochs of 5
+    data = [(tokens[s * GLOBAL_BATCH:(s + 1) * GLOBAL_BATCH].chunk(world)[rank],) for s in range(steps)]
     module = Module(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, num_experts=NUM_EXPERTS,
                     top_k=2, aux_loss_weight=0.0)
-    module.configure_optimizers = lambda: optimizer("sgd", module.model)
+    module.configure_optimizers = lambda: optimizer(opt_name, module.model)
+    callbacks = []
+    if save_dir is not None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{step}", every_n_train_steps=STEPS // 2,
+                                         save_top_k=-1))
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=llw.LayerwiseStrategy(**strategy_kwargs),
-                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False)
+                        max_steps=STEPS, logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     try:
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None))
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=None), ckpt_path=resume)
         if broken == "save":
             import tempfile
 
@@ -213,8 +222,30 @@ def test_bad_expert_setups_fail_on_every_rank_before_training(kwargs, broken, ma
 
 
 @pytest.mark.slow
-def test_saving_a_checkpoint_with_expert_parallelism_is_refused_clearly():
-    """Experts of different ranks share local names: until checkpoints map them to global names, a save
-    raises instead of letting one rank's experts overwrite another's."""
-    for result in run_distributed(_trainer_worker, 2, {"expert_parallel_size": 2}, "save"):
-        assert isinstance(result, str) and "not supported yet" in result, result
+def test_a_full_checkpoint_with_expert_parallelism_is_refused_clearly():
+    """Rank 0 holds only its own experts: a full file is refused instead of written without the others."""
+    kwargs = {"expert_parallel_size": 2, "checkpoint_format": "full"}
+    for result in run_distributed(_trainer_worker, 2, kwargs, "save"):
+        assert isinstance(result, str) and "checkpoint_format='full' with expert_parallel_size=2" in result, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_checkpoints_reshard_across_expert_parallel_sizes(tmp_path, opt_name):
+    """Saved at E=2 (and dense owner groups of 2) on 4 ranks after the first of two epochs (5 steps each);
+    resumed at E=1 on 2 ranks,
+    at E=4 and at E=2 on 4 ranks, each ends where one process holding every expert ends after the same
+    10 steps (Note [expert checkpoints] in checkpoint.py)."""
+    save_dir = str(tmp_path / "ckpts")
+    # Saved with dense owner groups of 2 too: the second group writes its experts, not its dense copies.
+    run_distributed(_trainer_worker, 4, {"expert_parallel_size": 2, "owner_group_size": 2}, None, opt_name,
+                    save_dir)
+    path = str(tmp_path / "ckpts" / f"step={STEPS // 2}.ckpt")
+    ref = reference(opt_name, epochs_of_half=True)
+    for world, E in [(2, 1), (4, 4), (4, 2)]:
+        resumed = run_distributed(_trainer_worker, world, {"expert_parallel_size": E}, None, opt_name, None, path)
+        for rank, params in enumerate(resumed):
+            assert not isinstance(params, str), params
+            for name, value in params.items():
+                err = rel_err(value, ref[name])
+                assert err <= 1e-5, f"E=2 -> E={E} on {world} ranks, rank {rank}: {name} differs by {err:.2e}"
