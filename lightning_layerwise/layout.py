@@ -140,6 +140,7 @@ Note [backward order]
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 from collections import defaultdict
@@ -176,8 +177,8 @@ class ParamSpec:
     """Its optimizer update is element-wise (AdamW, SGD…), so it may be split across shards
     (Note [element-wise fill]); otherwise it is owned whole."""
 
-    @property
-    def numel(self) -> int:
+    @functools.cached_property
+    def numel(self) -> int:  # computed once: the planner asks often (frozen: the cache bypasses __setattr__)
         return math.prod(self.shape)
 
 

@@ -23,7 +23,7 @@ scaler's state. The user's plugin object is left as it was.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
@@ -147,8 +147,11 @@ class MasterWeights:
     the optimizer see the same tensors.
     """
 
-    def __init__(self, wrapper, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, wrapper, optimizer: torch.optim.Optimizer,
+                 rename: Callable[[str], str] = lambda name: name) -> None:
         self.wrapper = wrapper
+        self.rename = rename
+        """Parameter name -> checkpoint name (identity but for experts)."""
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         swap = {}
         for name, p in wrapper.named_owned_parameters():
@@ -189,19 +192,23 @@ class MasterWeights:
         for p, master in self.pairs:
             master.copy_(p)
 
+    def checkpoint_name(self, master: torch.Tensor) -> str:
+        """The name a checkpoint keys ``master`` by (a global expert name, Note [expert checkpoints])."""
+        return self.rename(self.names[master])
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's masters by parameter name (on CPU)."""
-        return {self.names[m]: m.detach().cpu() for _, m in self.pairs}
+        """This rank's masters by checkpoint name (on CPU)."""
+        return {self.checkpoint_name(m): m.detach().cpu() for _, m in self.pairs}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restores the owned masters from a full ``{name: tensor}`` mapping and writes them back."""
         for p, master in self.pairs:
-            name = self.names[master]
-            if name in state:
-                value = state[name]
+            name, key = self.names[master], self.checkpoint_name(master)
+            if key in state:
+                value = state[key]
                 if value.numel() != master.numel():  # a full master; this rank steps a piece of it
-                    piece = self.wrapper.layout.params[name].piece_of(self.wrapper.owner_rank)
+                    piece = self.wrapper.layout.params[name].piece_of(self.wrapper._rank_for(name))
                     value = value.reshape(-1)[piece.start:piece.stop]
                 master.copy_(value.reshape(master.shape))
         self.write_back()

@@ -452,7 +452,7 @@ class LayerwiseStrategy(DDPStrategy):
             self._steps = 0
             self._check_optimizers()
             if self._half_true() and self.optimizers:
-                self._masters = MasterWeights(self.wrapper, self.optimizers[0])
+                self._masters = MasterWeights(self.wrapper, self.optimizers[0], self._global_name)
             self._names = self._checkpoint_names()
             self._sync_after_step = self._needs_sync_after_step(trainer)
 
