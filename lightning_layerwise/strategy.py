@@ -23,6 +23,7 @@ rest is a handful of hook overrides that call into the engine:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -368,19 +369,21 @@ class LayerwiseStrategy(DDPStrategy):
         if error is None and E > 1 and not names:
             error = (f"LayerwiseStrategy(expert_parallel_size={E}) but the model marks no experts: put each MoE "
                      "layer's local experts in a container marked with lightning_layerwise.mark_experts.")
-        verdicts = [(error, sorted(names))]
+        # A digest of the marked names, not the names: thousands of experts on a thousand ranks would
+        # otherwise gather megabytes per rank (on NCCL, in GPU memory).
+        digest = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
+        verdicts = [(error, digest, len(names))]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             verdicts = [None] * dist.get_world_size()
-            dist.all_gather_object(verdicts, (error, sorted(names)))
-        for rank, (their_error, _) in enumerate(verdicts):
+            dist.all_gather_object(verdicts, (error, digest, len(names)))
+        for rank, (their_error, _, _) in enumerate(verdicts):
             if their_error is not None:
                 raise ValueError(f"rank {rank}: {their_error}")
-        for rank, (_, theirs) in enumerate(verdicts):
-            if set(theirs) != names:
-                diff = sorted(set(theirs) ^ names)
-                raise ValueError(f"expert parameters are marked differently on rank {rank} and rank "
-                                 f"{self.global_rank}: {diff[:3]} is an expert parameter on one and not the other. "
-                                 "Mark the same containers with lightning_layerwise.mark_experts on every rank.")
+        for rank, (_, theirs, count) in enumerate(verdicts):
+            if theirs != digest:
+                raise ValueError(f"expert parameters are marked differently on rank {rank} ({count} marked) and rank "
+                                 f"{self.global_rank} ({len(names)} marked): mark the same containers with "
+                                 "lightning_layerwise.mark_experts on every rank.")
         return names
 
     def _resolve_owner_group_size(self, elementwise) -> int:
