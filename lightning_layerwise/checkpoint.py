@@ -344,14 +344,6 @@ def join_pieces(merged: dict[str, Any], split: Mapping[str, Any]) -> dict[str, A
     return out
 
 
-def take_piece(value: Any, piece, shape: Sequence[int]) -> Any:
-    """A loaded per-element value cut to ``piece`` (flat); a value already the piece's, or not per-element, as is."""
-    if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape) \
-            and value.numel() != piece.numel:
-        return value.reshape(-1)[piece.start:piece.stop]
-    return value
-
-
 def model_entries_to_write(state_dict: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
                            ownership: Ownership) -> dict[str, Any]:
     """The entries of ``state_dict`` this rank writes to a sharded checkpoint.
@@ -435,7 +427,7 @@ def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optim
             p = by_saved_id[k]
             if p in pieces:
                 piece, shape = pieces[p]
-                v = {key: take_piece(value, piece, shape) for key, value in v.items()}
+                v = {key: piece.cut(value, shape) for key, value in v.items()}
             state[local_id[p]] = v
     param_groups = [{**sg, "params": [local_id[p] for p in g["params"]]} for sg, g in zip(saved_groups, groups)]
     return {"state": state, "param_groups": param_groups}

@@ -370,9 +370,8 @@ class LayerwiseDataParallel(nn.Module):
         for p, shard in self._shards.items():
             if p in optimizer.state:
                 piece = self.piece_of(p)
-                optimizer.state[shard] = {k: v.reshape(-1)[piece.start:piece.stop].clone()
-                                          if torch.is_tensor(v) and v.shape == p.shape and v.dim() else v
-                                          for k, v in optimizer.state.pop(p).items()}
+                cut = {k: (v, piece.cut(v, p.shape)) for k, v in optimizer.state.pop(p).items()}
+                optimizer.state[shard] = {k: c.clone() if c is not v else v for k, (v, c) in cut.items()}
 
     def named_parameters_in_layout(self) -> Iterator[tuple[nn.Parameter, str]]:
         """Every parameter the layout places (the trainable ones), with its name."""
@@ -755,12 +754,10 @@ class LayerwiseDataParallel(nn.Module):
         # Each rank against the first rank holding the same values: rank 0, or for an expert parameter the
         # first of its expert data-parallel group (rank r mod E, Note [expert parallelism]).
         E = self.expert_parallel_size
-        reference = torch.zeros_like(gathered)
-        for i, p in enumerate(params):
-            rows = torch.arange(gathered.size(0), device=gathered.device)
-            source = rows % E if E > 1 and names[p] in self._expert_names else torch.zeros_like(rows)
-            reference[:, i] = gathered[source, i]
-        mismatch = gathered != reference
+        expert = torch.tensor([E > 1 and names[p] in self._expert_names for p in params], device=gathered.device)
+        rows = torch.arange(gathered.size(0), device=gathered.device).unsqueeze(1)
+        source = torch.where(expert, rows % E, torch.zeros_like(rows))  # (ranks, parameters)
+        mismatch = gathered != gathered.gather(0, source)
         differs = mismatch.any(0).nonzero().flatten().tolist()
         if not differs:
             return

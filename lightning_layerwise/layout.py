@@ -212,6 +212,15 @@ class Piece(NamedTuple):
     def numel(self) -> int:
         return self.stop - self.start
 
+    def cut(self, value, shape: Sequence[int]):
+        """``value`` cut to this piece (a flat view) if it is a per-element tensor of the whole
+        parameter (``shape``); anything else (a scalar such as AdamW's ``step``, a value already
+        the piece's) as is."""
+        if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) == tuple(shape) \
+                and value.numel() != self.numel:
+            return value.reshape(-1)[self.start:self.stop]
+        return value
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -441,14 +450,13 @@ DEFAULT_STATE_BYTES = 8
 float32 moments (Muon keeps one; float32 masters of ``bf16-true`` add four)."""
 
 
-def estimated_rank_bytes(layout: Layout, specs: Sequence[ParamSpec], grad_bytes: int | None = None,
+def estimated_rank_bytes(layout: Layout, grad_bytes: int | None = None,
                          state_bytes: int = DEFAULT_STATE_BYTES) -> int:
     """Bytes one rank holds for ``layout``: the param and grad buffers (padding included) and the
     optimizer state of the busiest rank's elements. ``grad_bytes``: per gradient element
     (default: the parameter's)."""
-    dtype = {s.name: s.dtype for s in specs}
     buffers = sum(b.numel * (b.dtype.itemsize + (grad_bytes or b.dtype.itemsize)) for b in layout.buffers)
-    return buffers + max(layout.rank_numels()) * state_bytes if dtype else buffers
+    return buffers + max(layout.rank_numels()) * state_bytes
 
 
 def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -500,7 +508,7 @@ def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: in
             break
         g = -negative_g
         layout = plan_layout(specs, g, bucket_size, cost)
-        planned[g] = (estimated_rank_bytes(layout, specs, grad_bytes, state_bytes), layout)
+        planned[g] = (estimated_rank_bytes(layout, grad_bytes, state_bytes), layout)
         best = min(best, planned[g][0]) if best is not None else planned[g][0]
     near = [g for g, (b, _) in planned.items() if b <= 1.01 * best]
     local = [g for g in near if ranks_per_node and ranks_per_node % g == 0]

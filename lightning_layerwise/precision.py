@@ -208,7 +208,7 @@ class MasterWeights:
             if key in state:
                 value = state[key]
                 if value.numel() != master.numel():  # a full master; this rank steps a piece of it
-                    piece = self.wrapper.layout.params[name].piece_of(self.wrapper._rank_for(name))
-                    value = value.reshape(-1)[piece.start:piece.stop]
+                    slot = self.wrapper.layout.params[name]
+                    value = slot.piece_of(self.wrapper._rank_for(name)).cut(value, slot.shape)
                 master.copy_(value.reshape(master.shape))
         self.write_back()

@@ -265,3 +265,29 @@ def test_bf16_true_expert_masters_survive_a_checkpoint(tmp_path):
     for rank, (a, b) in enumerate(zip(whole, resumed)):
         for name in a:
             assert torch.equal(a[name], b[name]), (rank, name)
+
+
+def _replica_worker(rank: int, world: int) -> str:
+    from lightning_layerwise import ReplicaDivergenceError
+
+    groups = ProcessGroups.create(expert_parallel_size=2)
+    model = moe_gpt(2, groups.expert_parallel_rank)
+    model.set_expert_group(groups.expert_parallel)
+    experts = expert_parameter_names(model)
+    ddp = LayerwiseDataParallel(model, groups, bucket_size=4096, expert=lambda n, p: n in experts)
+    ddp.check_replicas()  # ranks 0 and 1 hold different experts: that is no divergence
+    if rank == 2:  # rank 0's expert data-parallel twin
+        with torch.no_grad():
+            model.moe[0].experts[1].up.weight[0, 0] += 1e-3
+    try:
+        ddp.check_replicas()
+    except ReplicaDivergenceError as error:
+        return str(error)
+    finally:
+        groups.destroy()
+    return "no error"
+
+
+def test_replica_check_compares_experts_within_their_expert_data_parallel_group():
+    for result in run_distributed(_replica_worker, 4):
+        assert "'moe.0.experts.1.up.weight'" in result and "rank(s) [2]" in result, result

@@ -431,7 +431,7 @@ def test_chosen_owner_group_size_divides_dp_and_needs_the_least_memory(specs, dp
     if per_node is not None and dp <= per_node:
         assert g == dp, "one node: one group"
         return
-    need = {d: estimated_rank_bytes(plan_layout(specs, d, bucket_size), specs) for d in _divisors(dp)}
+    need = {d: estimated_rank_bytes(plan_layout(specs, d, bucket_size)) for d in _divisors(dp)}
     assert need[g] <= 1.01 * min(need.values()), (g, need)
 
 
@@ -450,4 +450,4 @@ def test_few_matrices_on_many_ranks_choose_smaller_owner_groups():
     g, layout = choose_owner_group_size(specs, 64, ranks_per_node=8)
     whole = plan_layout(specs, 64)
     assert g < 64 and layout.padding_fraction < whole.padding_fraction
-    assert estimated_rank_bytes(layout, specs) < estimated_rank_bytes(whole, specs)
+    assert estimated_rank_bytes(layout) < estimated_rank_bytes(whole)
