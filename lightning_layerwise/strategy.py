@@ -136,9 +136,10 @@ class LayerwiseStrategy(DDPStrategy):
             consecutive ranks (hierarchical sharding, as HSDP): the layout is planned for
             one group, gradients are reduce-scattered and parameters all-gathered inside
             it, and each owned shard is all-reduced across the groups (Note [owner
-            groups] in ``process_groups.py``). ``"auto"`` (default) picks the divisor of
-            the world size that needs the least memory per rank, preferring groups
-            inside a node (Note [choosing the owner group size] in ``layout.py``);
+            groups] in ``process_groups.py``). ``"auto"`` (default) keeps one group on one
+            node; across nodes it picks the divisor of the world size that needs the least
+            memory per rank, preferring groups inside a node (Note [choosing the owner
+            group size] in ``layout.py``);
             ``None``: one group of every rank; an integer must divide the world size.
         expert_parallel_size: ``E > 1`` spreads the experts of a mixture-of-experts model over
             expert-parallel groups of ``E`` consecutive ranks (Note [expert parallelism] in
