@@ -73,7 +73,10 @@ Note [pieces]
     the parameter; its ``.grad`` and ``.main_grad`` are the piece's range of the
     reduced grad buffer. An element-wise optimizer then computes exactly the
     elements one process would, and the all-gather spreads them. Whether a piece
-    gets a gradient follows the whole parameter, agreed by one small all-reduce: a
+    gets a gradient follows the whole parameter, agreed by one small all-reduce of
+    flags the gradient hook sets on the device (read back to the host only on a rank
+    that did not itself see a gradient for every split parameter, so the usual step
+    has no host synchronization for it): a
     piece's own gradient can be all zero while the parameter was used (embedding
     rows no token looked up), and one process steps all of a used parameter and
     nothing of an unused one. Clipping, inf checks and norms read the shards, which
@@ -290,11 +293,16 @@ class LayerwiseDataParallel(nn.Module):
             self._shards[p] = nn.Parameter(flat.params[begin:end], requires_grad=p.requires_grad)
             self._shard_grad_views[p] = flat.grads[begin:end]
         split = [p for p, name in self._param_names.items() if self.layout.params[name].split]
-        split_experts = [p for p in split if self._param_names[p] in self._expert_names]
+        experts = [self._param_names[p] in self._expert_names for p in split]
         self._split = split
         self._split_by_group = [(group_params, group) for group_params, group in (
-            ([p for p in split if p not in split_experts], self.process_groups.dp),
-            (split_experts, self.process_groups.expert_group)) if group_params]
+            ([p for p, e in zip(split, experts) if not e], self.process_groups.dp),
+            ([p for p, e in zip(split, experts) if e], self.process_groups.expert_group)) if group_params]
+        # Whether each split parameter got a gradient here this step, kept on the device so that agreeing
+        # on it (Note [pieces]) needs no host transfer; set by the gradient hook, zeroed with the buffers.
+        self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
+        self._split_flag = {p: flags[i] for (ps, _), flags in zip(self._split_by_group, self._split_flags)
+                            for i, p in enumerate(ps)}
         self._bucket_by_id = {id(p): b for p, b in self._bucket_of.items()}  # no hashing inside the read guard
         self._guarded = self.param_read_guard != "off"
         if self._guarded:
@@ -465,6 +473,8 @@ class LayerwiseDataParallel(nn.Module):
         self._next_reduce = 0
         self._grads_handed_out = False
         self._seen.clear()
+        for flags in self._split_flags:
+            flags.zero_()
 
     def _wait_pending_reduces(self) -> None:
         for bucket in self._reduce_order:
@@ -485,7 +495,11 @@ class LayerwiseDataParallel(nn.Module):
                 f"a gradient for {name!r} arrived after its bucket was reduced in this step. Run one backward "
                 "per optimizer step, or wrap all but the last micro-batch's backward in no_sync()."
             )
-        self._seen.add(param)
+        if param not in self._seen:
+            self._seen.add(param)
+            flag = self._split_flag.get(param)
+            if flag is not None:
+                flag.fill_(1.0)
         self._grad_views[param].add_(param.grad)
         param.grad = None
         if not self._micro_batch_is_last:
@@ -564,10 +578,13 @@ class LayerwiseDataParallel(nn.Module):
         pieces are stepped or none, as one process would step it or not.
         """
         used = {}
-        for params, group in self._split_by_group:  # experts: only their expert data-parallel ranks hold them
-            flags = torch.tensor([p in self._seen for p in params], dtype=torch.float32, device=self._device())
+        for (params, group), flags in zip(self._split_by_group, self._split_flags):
+            # experts: only their expert data-parallel ranks hold them
             collectives.all_reduce_max(flags, group)
-            used.update(zip(params, flags.bool().tolist()))
+            if all(p in self._seen for p in params):
+                used.update((p, True) for p in params)  # a maximum is 1 where ours is: no read back, no sync
+            else:
+                used.update(zip(params, flags.bool().tolist()))
         return used
 
     def _own_shard(self, bucket: Bucket) -> torch.Tensor:
