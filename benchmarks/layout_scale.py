@@ -19,7 +19,8 @@ Per row:
   fp32, padding included, plus optimizer state of what it steps: 8 bytes per Muon
   element, momentum and a float32 master; 12 per AdamW element, two moments and a
   master) against an ideal element-wise ZeRO-1 without padding at the same world
-  size (the same buffers unpadded, plus the state divided evenly over ``dp``);
+  size (the same buffers unpadded, plus the state divided evenly over ``dp``); and
+  per part: param and grad buffer (one ratio, the padding's) and optimizer state;
 * ``bytes / ddp``: bytes each rank sends per step in ring collectives
   (reduce-scatter and all-gather inside the owner group, all-reduce of the owned
   shard across groups) against ``ddp``'s all-reduce of the gradients, with
@@ -93,18 +94,24 @@ def balance(model: ModelShapes, layout: Layout, dp: int) -> float:
     return max(per_rank) / bound
 
 
-def memory_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
-    """The busiest rank's bytes against an unpadded element-wise ZeRO-1 at ``dp`` ranks."""
+def memory(model: ModelShapes, layout: Layout, dp: int) -> dict[str, float]:
+    """The busiest rank's bytes against an unpadded element-wise ZeRO-1 at ``dp`` ranks: in all
+    (``total``) and per part (param buffer and grad buffer, whose ratio is the same, and optimizer state)."""
     muon = {s.name: model.uses_muon(s) for s in model.specs}
     state = [0.0] * layout.dp
     for name, slot in layout.params.items():
         per_element = MUON_STATE_BYTES if muon[name] else ADAMW_STATE_BYTES
         for piece in slot.pieces:
             state[piece.owner] += piece.numel * per_element
-    ours = layout.total_numel * (PARAM_BYTES + GRAD_BYTES) + max(state)
     total_state = sum(s.numel * (MUON_STATE_BYTES if muon[s.name] else ADAMW_STATE_BYTES) for s in model.specs)
+    ours = layout.total_numel * (PARAM_BYTES + GRAD_BYTES) + max(state)
     ideal = model.numel * (PARAM_BYTES + GRAD_BYTES) + total_state / dp
-    return ours / ideal
+    return {"total": ours / ideal, "buffers": layout.total_numel / model.numel,
+            "state": max(state) / (total_state / dp)}
+
+
+def memory_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
+    return memory(model, layout, dp)["total"]
 
 
 def bytes_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
@@ -134,6 +141,7 @@ def measure(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> dict
     return {"model": model.name, "dp": dp, "params": model.numel, "muon_matrices": model.muon_matrices,
             "g": g, "padding": layout.padding_fraction, "padding_before": before.padding_fraction,
             "memory_ratio": memory_ratio(model, layout, dp), "memory_ratio_before": memory_ratio(model, before, dp),
+            "buffers_ratio": memory(model, layout, dp)["buffers"], "state_ratio": memory(model, layout, dp)["state"],
             "bytes_ratio": bytes_ratio(model, layout, dp), "bytes_ratio_before": bytes_ratio(model, before, dp),
             "ns_balance": balance(model, layout, dp), "ns_balance_before": balance(model, before, dp),
             "plan_s": seconds, "split_params": sum(s.split for s in layout.params.values())}
@@ -196,12 +204,13 @@ def verdict(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["model", "dp", "g", "padding", "memory / ideal", "bytes / ddp", "NS / bound", "plan s",
+    head = ["model", "dp", "g", "padding", "memory / ideal", "param, grad buffer / ideal", "opt state / ideal",
+            "bytes / ddp", "NS / bound", "plan s",
             "padding, whole, g = dp", "memory / ideal, whole", "bytes / ddp, whole", "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["model"], str(r["dp"]), str(r["g"]), f"{100 * r['padding']:.2f}%", f"{r['memory_ratio']:.3f}",
-                 f"{r['bytes_ratio']:.3f}", f"{r['ns_balance']:.3f}", f"{r['plan_s']:.2f}",
+                 f"{r['buffers_ratio']:.3f}", f"{r['state_ratio']:.2f}", f"{r['bytes_ratio']:.3f}", f"{r['ns_balance']:.3f}", f"{r['plan_s']:.2f}",
                  f"{100 * r['padding_before']:.2f}%", f"{r['memory_ratio_before']:.2f}",
                  f"{r['bytes_ratio_before']:.2f}", verdict(r)]
         lines.append("| " + " | ".join(cells) + " |")
