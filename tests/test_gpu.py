@@ -369,8 +369,10 @@ def _probe_callback(record: dict):
     return Probe()
 
 
-def _world1_group_factory(cls, separate_all_gather: bool = True, backend=None, timeout=None):
+def _world1_group_factory(cls, separate_all_gather: bool = True, backend=None, timeout=None,
+                          owner_group_size=None, expert_parallel_size: int = 1):
     """Stands in for ``ProcessGroups.create``: real one-rank NCCL groups instead of "no communication"."""
+    assert owner_group_size in (None, 1) and expert_parallel_size == 1, (owner_group_size, expert_parallel_size)
     return _nccl_groups(separate_all_gather)
 
 
@@ -748,3 +750,86 @@ def test_strict_read_guard_names_the_stale_parameter():
     assert result.get("error_type") == "StaleParameterReadError", result.get("error_type", result)
     assert result["is_stale_error"], "the error is not lightning_layerwise.StaleParameterReadError"
     assert "out_proj.weight" in result["error"], result["error"]
+
+
+# --- e. several ranks on the one GPU: gloo over CUDA tensors ---------------------------------------------------------
+#
+# NCCL refuses two ranks on one device, so the multi-rank paths (pieces of split parameters, owner groups
+# with their cross-group all-reduce, the on-device used-flags of split parameters) run here over gloo with
+# every tensor on cuda:0. What this cannot cover is NCCL itself at world size > 1 (``ReduceOp.AVG``).
+
+MULTI_WORLD = 4
+
+
+def _gloo_cuda_worker(rank: int, world: int, tmp: str, owner_group_size, opt_names: list[str]) -> None:
+    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
+
+    torch.cuda.set_device(0)
+    store = dist.FileStore(os.path.join(tmp, f"gloo_store_{owner_group_size}"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    out = {}
+    try:
+        for opt_name in opt_names:
+            model = gpt(seed=rank).cuda()  # rank 0's initialisation is broadcast
+            opt = optimizer(opt_name, model)
+            ddp = wrap(model, opt, bucket_size=2048, owner_group_size=owner_group_size)
+            for tokens in batches():
+                opt.zero_grad()
+                gpt_loss(ddp, tokens.cuda().chunk(world)[rank]).backward()
+                ddp.finish_grad_sync()
+                opt.step()
+                ddp.start_param_sync()
+            ddp.finish_param_sync()
+            torch.cuda.synchronize()
+            out[opt_name] = {"params": {n: v.cpu() for n, v in snapshot(model).items()},
+                             "split": {n: len(s.pieces) for n, s in ddp.layout.params.items() if s.split},
+                             "device": str(next(model.parameters()).device)}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}_{owner_group_size}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def _gloo_cuda_child(tmp: str, owner_group_size) -> dict:
+    import torch.multiprocessing as mp
+    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
+
+    names = ["adamw", "muon", "sgd"]
+    reference = {}
+    for opt_name in names:
+        model = gpt().cuda()
+        opt = optimizer(opt_name, model)
+        for tokens in batches():
+            opt.zero_grad()
+            gpt_loss(model, tokens.cuda()).backward()
+            opt.step()
+        reference[opt_name] = {n: v.cpu() for n, v in snapshot(model).items()}
+    mp.start_processes(_gloo_cuda_worker, args=(MULTI_WORLD, tmp, owner_group_size, names), nprocs=MULTI_WORLD,
+                       start_method="spawn")
+    ranks = []
+    for rank in range(MULTI_WORLD):
+        with open(os.path.join(tmp, f"rank{rank}_{owner_group_size}.pkl"), "rb") as f:
+            ranks.append(pickle.load(f))
+    return {"reference": reference, "ranks": ranks}
+
+
+@pytest.mark.parametrize("owner_group_size", [None, 2], ids=["one_group", "owner_groups_2x2"])
+def test_split_pieces_and_owner_groups_on_cuda_match_one_process(owner_group_size):
+    """The tied-embedding GPT on 4 gloo ranks over CUDA tensors, element-wise fill on (the embedding is cut
+    into pieces), one owner group or two of 2 ranks, AdamW / Muon / SGD for 10 steps: every rank equals one
+    process on the same GPU (relative error <= 1e-5) and the ranks are bitwise equal."""
+    out = _run_child(_gloo_cuda_child, owner_group_size)
+    for opt_name, reference in out["reference"].items():
+        results = [r[opt_name] for r in out["ranks"]]
+        assert results[0]["device"].startswith("cuda"), results[0]["device"]
+        assert "transformer.wte.weight" in results[0]["split"], results[0]["split"]
+        worst = 0.0
+        for name, value in results[0]["params"].items():
+            err = _rel_err(value, reference[name])
+            worst = max(worst, err)
+            assert err <= TOL, f"{opt_name}, owner groups {owner_group_size}: {name} differs by {err:.2e}"
+        for rank, r in enumerate(results[1:], start=1):
+            for name, value in r["params"].items():
+                assert torch.equal(value, results[0]["params"][name]), f"{opt_name}: rank {rank} differs on {name}"
+        print(f"gloo over CUDA, 4 ranks, owner groups {owner_group_size}, {opt_name}: max rel err {worst:.2e}, "
+              f"split {results[0]['split']}")
