@@ -809,7 +809,9 @@ def nest(entries: Mapping[tuple, Any]) -> dict[str, Any]:
 def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], ownership: Ownership,
                             n_optimizers: int, strict: bool, model_name: str,
                             weights_only: Optional[bool] = None,
-                            other_experts: Callable[[str], bool] = lambda key: False
+                            other_experts: Callable[[str], bool] = lambda key: False,
+                            strict_hint: str = "Set `strict_loading = False` on the LightningModule to load the keys "
+                                               "that match."
                             ) -> tuple[dict[str, Any], Optional[list]]:
     """Reads this rank's part of a sharded checkpoint into ``tensors`` (in place) and returns what else it holds.
 
@@ -828,8 +830,7 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
         if missing or unexpected:
             raise CheckpointError(
                 f"sharded checkpoint {str(path)!r} does not match {model_name}: missing keys {missing[:10]}, "
-                f"unexpected keys {unexpected[:10]}. Set `strict_loading = False` on the LightningModule to load "
-                "the keys that match.")
+                f"unexpected keys {unexpected[:10]}. {strict_hint}")
     entries: dict[tuple, Any] = {(MODEL_KEY, key): tensor.detach() for key, tensor in tensors.items()
                                  if key in saved_keys and ownership.reads(tensor)}
     pieces: dict[tuple, torch.Tensor] = {}  # optimizer entries read as this rank's piece only

@@ -395,6 +395,12 @@ class LayerwiseDataParallel(nn.Module):
         return self._micro_batch_is_last
 
     @property
+    def grads_pending(self) -> bool:
+        """True between a backward that only accumulated (inside :meth:`no_sync`) and the reducing one:
+        gradients exist that :meth:`finish_grad_sync` has not reduced, so no optimizer may step yet."""
+        return bool(self._seen) and not self._grads_handed_out
+
+    @property
     def flat_buffers(self) -> list[FlatBuffer]:
         """The flat param and grad tensors, one pair per layout buffer."""
         return list(self._flat_buffers)

@@ -833,3 +833,75 @@ def test_split_pieces_and_owner_groups_on_cuda_match_one_process(owner_group_siz
                 assert torch.equal(value, results[0]["params"][name]), f"{opt_name}: rank {rank} differs on {name}"
         print(f"gloo over CUDA, 4 ranks, owner groups {owner_group_size}, {opt_name}: max rel err {worst:.2e}, "
               f"split {results[0]['split']}")
+
+
+# --- f. Fabric on one GPU ----------------------------------------------------------------------------------------------
+
+FABRIC_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+def _fabric_gpu_child(tmp: str, precision: str) -> dict:
+    from lightning.fabric import Fabric
+    from test_elementwise_fill import batches, gpt, gpt_loss
+
+    _init_nccl_world1(tmp)
+    out = {}
+    for kind in ("ddp", "layerwise", "layerwise_nccl"):
+        original = llw.ProcessGroups.__dict__["create"]
+        if kind == "layerwise_nccl":
+            llw.ProcessGroups.create = classmethod(_world1_group_factory)
+        try:
+            strategy = "ddp" if kind == "ddp" else llw.LayerwiseFabricStrategy(bucket_size=2048)
+            fabric = Fabric(accelerator="cuda", devices=1, strategy=strategy, precision=precision)
+            fabric.launch()
+            model = gpt()
+            model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
+            losses, norms = [], []
+            for tokens in batches(8):
+                tokens = fabric.to_device(tokens)
+                opt.zero_grad()
+                for i, part in enumerate(tokens.chunk(2)):
+                    with fabric.no_backward_sync(model, enabled=i == 0):
+                        loss = gpt_loss(model, part) / 2
+                        fabric.backward(loss)
+                    losses.append(loss.detach().float())
+                norms.append(fabric.clip_gradients(model, opt, max_norm=0.5, error_if_nonfinite=False).float())
+                opt.step()
+            torch.cuda.synchronize()
+            scaler = getattr(fabric.strategy.precision, "scaler", None)
+            out[kind] = {"params": {n: p.detach().float().cpu() for n, p in model.module.named_parameters()},
+                         "losses": torch.stack(losses).cpu(), "norms": torch.stack(norms).cpu(),
+                         "scaler": type(scaler).__name__, "scale": None if scaler is None else scaler.get_scale()}
+            if kind != "ddp":
+                out[kind]["real_groups"] = fabric.strategy.process_groups.dp is not None
+                fabric.strategy.teardown()
+        finally:
+            llw.ProcessGroups.create = original
+    return out
+
+
+@pytest.mark.parametrize("precision", FABRIC_PRECISIONS)
+def test_fabric_on_one_gpu_matches_fabric_ddp(precision):
+    """``Fabric(strategy="layerwise")`` (no communication, and forced to real one-rank NCCL groups) against
+    ``Fabric(strategy="ddp")`` on the same GPU: two micro-batches per step with ``no_backward_sync``,
+    ``clip_gradients`` by norm, AdamW, 8 steps. At one rank the arithmetic is the same, so parameters,
+    losses and clipped norms agree to 1e-5; under ``16-mixed`` the layer-wise run uses torch's
+    ``ShardedGradScaler`` over the NCCL group and must keep the same loss scale."""
+    out = _run_child(_fabric_gpu_child, precision)
+    ddp = out["ddp"]
+    for kind in ("layerwise", "layerwise_nccl"):
+        got = out[kind]
+        print(f"fabric {precision} {kind}: params {_max_err(got, ddp):.2e}, losses "
+              f"{_rel_err(got['losses'], ddp['losses']):.2e}, norms {_rel_err(got['norms'], ddp['norms']):.2e}, "
+              f"scale {got['scale']} (ddp {ddp['scale']}), scaler {got['scaler']}; ddp norms {ddp['norms'].tolist()}")
+        assert got["real_groups"] == (kind == "layerwise_nccl"), kind
+        # 16-mixed: measured up to 6.9e-5 on a parameter after 8 steps with the loss and clipped-norm curves
+        # within 5e-6 and the same loss scale (first run, 2026-11-22); float16 products rounded differently
+        # somewhere in the step, which kernel was not established. 1e-4 bounds that, not a skipped step.
+        tol = 1e-4 if precision == "16-mixed" else TOL
+        _assert_matches(got, ddp, tol=tol, what=f"fabric {kind} vs ddp, {precision}")
+        assert _rel_err(got["losses"], ddp["losses"]) <= tol and _rel_err(got["norms"], ddp["norms"]) <= tol, kind
+        if precision == "16-mixed":
+            assert got["scale"] == ddp["scale"], (kind, got["scale"], ddp["scale"])
+            if kind == "layerwise_nccl":
+                assert got["scaler"] == "ShardedGradScaler", got["scaler"]
