@@ -9,8 +9,9 @@ Run from the repository root (after ``bash scripts/setup_env.sh examples``)::
     # one machine with 8 GPUs, bf16 autocast, two micro-batches per step
     python examples/fabric_train.py --accelerator cuda --devices 8 --precision bf16-mixed --grad-accum 2
 
-    # the same script under torchrun or SLURM (Fabric reads the cluster environment)
+    # the same script under torchrun, `fabric run` or SLURM (Fabric reads the cluster environment)
     torchrun --nproc-per-node 8 examples/fabric_train.py --accelerator cuda --devices 8
+    fabric run --accelerator cuda --devices 8 examples/fabric_train.py --accelerator cuda --devices 8
     srun python examples/fabric_train.py --accelerator cuda --devices 8 --num-nodes 2
 
     # stop, then continue from the last checkpoint, on any number of processes
@@ -72,6 +73,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _launched_by_fabric_cli() -> bool:
+    from lightning.fabric.connector import _is_using_cli
+
+    return _is_using_cli()
+
+
 @torch.no_grad()
 def validate(fabric: Fabric, model, loader, batches: int, vocab_size: int) -> tuple[float, float]:
     model.eval()
@@ -92,7 +99,8 @@ def main(argv=None) -> dict:
     strategy = llw.LayerwiseFabricStrategy(bucket_size=200_000, checkpoint_format=args.checkpoint_format)
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                     strategy=strategy, precision=args.precision)
-    fabric.launch()
+    if not _launched_by_fabric_cli():  # `fabric run` has started the processes already
+        fabric.launch()
     fabric.seed_everything(args.seed)
 
     data = CharDataModule(block_size=args.block_size, batch_size=args.batch_size, max_chars=args.max_chars,
