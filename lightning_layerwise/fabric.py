@@ -61,7 +61,10 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
     there and docs/usage.md), with Fabric's ``precision`` plugin in place of the Trainer's
     ``precision_plugin``. One module is trained, with one optimizer (several param groups
     are fine); modules without trainable parameters (a frozen teacher) may be set up
-    beside it and are only synchronized from rank 0. See docs/fabric.md.
+    beside it and are only synchronized from rank 0. With ``expert_parallel_size=E`` the
+    model builds the experts of :attr:`expert_parallel_rank` (known after
+    ``fabric.launch()``) and exchanges tokens over ``process_groups.expert_parallel``
+    (known after ``fabric.setup``). See docs/fabric.md.
     """
 
     _accelerator_classes = (CPUAccelerator, CUDAAccelerator)
@@ -79,12 +82,7 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
-        options = _layerwise_options(options)
-        self._init_layerwise(**options, timeout=timeout, start_method=start_method)
-        if options["expert_parallel_size"] > 1:
-            raise ValueError(f"LayerwiseFabricStrategy(expert_parallel_size={options['expert_parallel_size']}): "
-                             "expert parallelism runs under the Trainer only for now (Trainer(strategy="
-                             "LayerwiseStrategy(expert_parallel_size=...))); under Fabric use expert_parallel_size=1.")
+        self._init_layerwise(**_layerwise_options(options), timeout=timeout, start_method=start_method)
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
                          process_group_backend, timeout, start_method)
         self._backward_sync_control = _LayerwiseBackwardSyncControl()
@@ -297,6 +295,7 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        self._check_full_format_with_experts()
         target = self.broadcast(str(path))
         module_key, optimizer_key = self._roles(state)
         filter = filter or {}
@@ -363,6 +362,10 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
             if optimizer_states:
                 self._load_optimizer_states(self._optimizers, optimizer_states)
         else:
+            if self.expert_parallel_size > 1 and module_key is not None:
+                raise ckpt.CheckpointError(
+                    f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is not "
+                    "supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
             rest = self._read_file(path, weights_only)
             if module_key is not None:
                 # A Trainer checkpoint file keeps the model under "state_dict" and the optimizers in a list.

@@ -95,8 +95,8 @@ def assert_equal_to_one_process(results: list, reference: tuple[dict, list[float
 # --- parity ------------------------------------------------------------------------------------------------
 
 
-def _parity_worker(rank, world, opt_name, joint_setup):
-    fabric = make_fabric(world, bucket_size=2048)
+def _parity_worker(rank, world, opt_name, joint_setup, owner_group_size=None, rows=None):
+    fabric = make_fabric(world, bucket_size=2048, owner_group_size=owner_group_size)
     model = gpt(seed=rank)  # rank 0's initialisation is broadcast
     if joint_setup:
         opt = optimizer(opt_name, model)
@@ -104,8 +104,9 @@ def _parity_worker(rank, world, opt_name, joint_setup):
     else:
         model = fabric.setup_module(model)
         opt = fabric.setup_optimizers(optimizer(opt_name, model))
-    norms = train_steps(fabric, model, opt, batches(), rank, world)
+    norms = train_steps(fabric, model, opt, [t[:rows] for t in batches()], rank, world)
     split = {n for n, s in fabric.strategy.wrapper.layout.params.items() if s.split}
+    assert fabric.strategy.process_groups.owner_size == (owner_group_size or world)
     params = params_of(model)  # the last all-gather is awaited by the read guard
     fabric.strategy.teardown()
     return params, norms, split
@@ -119,6 +120,16 @@ def test_fabric_loop_equals_one_process(world, opt_name):
     worst = assert_equal_to_one_process([r[:2] for r in results], reference_run(opt_name), f"{opt_name} at {world}")
     assert "transformer.wte.weight" in results[0][2], "the tied embedding is cut into pieces"
     print(f"fabric {opt_name} world={world}: max rel err {worst:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+def test_owner_groups_under_fabric_equal_one_process(opt_name):
+    """4 ranks as two owner groups of 2 (8 rows per step: one row per micro-batch per rank)."""
+    results = run_distributed(_parity_worker, 4, opt_name, True, 2, 8)
+    reference = reference_run(opt_name, [t[:8] for t in batches()])
+    worst = assert_equal_to_one_process([r[:2] for r in results], reference, f"{opt_name}, owner groups 2x2")
+    print(f"fabric {opt_name} 2x2 owner groups: max rel err {worst:.2e}")
 
 
 @pytest.mark.slow
@@ -400,9 +411,9 @@ def test_registered_for_fabric_with_the_launch_variants():
 def test_bad_arguments_and_plugins_are_refused_at_construction():
     with pytest.raises(ValueError, match=r"^LayerwiseFabricStrategy\(bucket_size=0\): pass a positive number"):
         llw.LayerwiseFabricStrategy(bucket_size=0)
-    with pytest.raises(ValueError, match=r"^LayerwiseFabricStrategy\(expert_parallel_size=2\): expert parallelism "
-                                         r"runs under the Trainer only"):
-        llw.LayerwiseFabricStrategy(expert_parallel_size=2)
+    with pytest.raises(TypeError, match=r"^LayerwiseFabricStrategy got unknown argument\(s\) \['bucket_sise'\]; "
+                                        r"its arguments are \[.*'bucket_size'"):
+        llw.LayerwiseFabricStrategy(bucket_sise=10)
     from lightning.fabric.plugins.precision import Precision
 
     class CustomPrecision(Precision):
@@ -490,3 +501,53 @@ def test_16_mixed_agrees_on_the_loss_scale_across_ranks():
         for name, value in params.items():
             assert torch.isfinite(value).all(), "skipped steps left the parameters finite"
             assert torch.equal(value, results[0][0][name]), name
+
+
+# --- expert parallelism -------------------------------------------------------------------------------------
+
+
+def _moe_worker(rank, world, E, opt_name, steps, save=None, load=None):
+    import test_experts as X
+
+    fabric = make_fabric(world, bucket_size=4096, expert_parallel_size=E)
+    expert_rank = fabric.strategy.expert_parallel_rank  # known before set-up: build only these experts
+    model = X.moe_gpt(E, expert_rank)
+    model, opt = fabric.setup(model, X.optimizer(opt_name, model))
+    model.set_expert_group(fabric.strategy.process_groups.expert_parallel)
+    state = {"model": model, "optimizer": opt, "step": 0}
+    if load is not None:
+        fabric.load(load, state)
+    for tokens in X.batches()[state["step"]:steps]:
+        opt.zero_grad()
+        fabric.backward(X.loss_fn(model, tokens.chunk(world)[rank]))
+        opt.step()
+        state["step"] += 1
+    if save is not None:
+        fabric.save(save, state)
+    fabric.strategy.sync_parameters()
+    params = X.global_names(model.module, expert_rank * (X.NUM_EXPERTS // E))
+    fabric.strategy.teardown()
+    return params
+
+
+def _assert_moe_equal(results, opt_name):
+    import test_experts as X
+
+    want = X.reference(opt_name)
+    for rank, params in enumerate(results):
+        for name, value in params.items():
+            assert rel_err(value, want[name]) <= TOL, (opt_name, rank, name, rel_err(value, want[name]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_expert_parallelism_under_fabric_equals_one_process_holding_every_expert(opt_name):
+    """4 ranks with 2 expert-parallel ranks (SGD checks the averaging rule, AdamW the rest)."""
+    _assert_moe_equal(run_distributed(_moe_worker, 4, 2, opt_name, 10), opt_name)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_fabric_checkpoint_resumes_without_expert_parallelism(tmp_path):
+    path = str(tmp_path / "moe.ckpt")
+    run_distributed(_moe_worker, 4, 2, "adamw", 5, path)
+    _assert_moe_equal(run_distributed(_moe_worker, 2, 1, "adamw", 10, None, path), "adamw")
