@@ -331,10 +331,21 @@ class LayerwiseCore:
             return
         if self._masters is not None:
             self._masters.write_back()
-        wrapper.start_param_sync(force_sync=self._sync_after_step)
+        wrapper.start_param_sync(force_sync=self._sync_after_step or self._compiled_needs_sync(wrapper))
         self._steps += 1
         if self.replica_check_every is not None and self._steps % self.replica_check_every == 0:
             wrapper.check_replicas()
+
+    def _compiled_needs_sync(self, wrapper: LayerwiseDataParallel) -> bool:
+        """The wrapper itself ran compiled (Note [compiled wrapper]): under ``"auto"``, no overlap."""
+        if not wrapper.compiled_forward or self.overlap_param_gather is False:
+            return False
+        if self.overlap_param_gather is True:
+            raise ValueError(f"{type(self).__name__}(overlap_param_gather=True) with a model compiled around the "
+                             "strategy's wrapper (fabric.setup of a torch.compile'd model): a graph traced while no "
+                             "all-gather was in flight would not wait for one. Use overlap_param_gather='auto' (the "
+                             "all-gather then completes inside each step) or False.")
+        return True
 
     def note_skipped_step(self, step: Any = None) -> None:
         self.skipped_steps += 1

@@ -63,6 +63,19 @@ Note [fixed module]
     a collective over a layout that no longer matches. Only identities and
     pointers are compared; no tensor is read.
 
+Note [compiled wrapper]
+    Lightning Fabric compiles the module the strategy returns, so with
+    ``fabric.setup(torch.compile(model), ...)`` this wrapper's own forward runs under
+    ``torch.compile``. Its bookkeeping (the module check, zeroing the gradient buffers,
+    the buffer broadcast) mutates Python state and tensor attributes that a traced graph
+    cannot, so it runs in :meth:`_before_forward`, excluded from compilation
+    (``torch.compiler.disable``); the inner module is compiled as the user asked. The
+    forward notes that it ran compiled (:attr:`compiled_forward`), and the strategies
+    then complete the all-gather inside each optimizer step under
+    ``overlap_param_gather="auto"``: a graph traced while no bucket was in flight
+    does not wait for one in the forward pre-hooks. ``True`` is refused at the first
+    step: traced with buckets in flight, dynamo fails on the read guard's parameters.
+
 Note [pieces]
     A split parameter (Note [element-wise fill] in ``layout.py``) is stepped in
     pieces: rank ``r`` steps the elements of its :class:`~lightning_layerwise.layout.Piece`,
@@ -324,6 +337,8 @@ class LayerwiseDataParallel(nn.Module):
 
         self._micro_batch_is_last = True
         self._grads_handed_out = False
+        self.compiled_forward = False
+        """Whether this wrapper's forward has run inside ``torch.compile`` (Note [compiled wrapper])."""
         self._seen: set[nn.Parameter] = set()  # parameters whose gradient arrived this step
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
         self._next_gather = len(self._gather_order)  # nothing to gather until start_param_sync
@@ -406,13 +421,20 @@ class LayerwiseDataParallel(nn.Module):
         return list(self._flat_buffers)
 
     def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            self.compiled_forward = True  # Note [compiled wrapper]
+        self._before_forward()
+        return self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _before_forward(self) -> None:
+        """The step's bookkeeping before a training forward, always run eagerly (Note [compiled wrapper])."""
         if torch.is_grad_enabled() and self.module.training:
             self._check_module_unchanged()
             if self._grads_handed_out:
                 self.zero_grad_buffer()
             if self.broadcast_buffers:
                 self._broadcast_module_buffers()
-        return self.module(*args, **kwargs)
 
     def _check_module_unchanged(self) -> None:
         """Raises before any collective of the step if the module's parameters changed since wrapping.

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import lightning as L
 import pytest
@@ -551,3 +550,39 @@ def test_an_expert_parallel_fabric_checkpoint_resumes_without_expert_parallelism
     path = str(tmp_path / "moe.ckpt")
     run_distributed(_moe_worker, 4, 2, "adamw", 5, path)
     _assert_moe_equal(run_distributed(_moe_worker, 2, 1, "adamw", 10, None, path), "adamw")
+
+
+# --- torch.compile ------------------------------------------------------------------------------------------
+
+
+def _compiled_worker(rank, world, overlap):
+    fabric = make_fabric(world, bucket_size=2048, overlap_param_gather=overlap)
+    model = gpt(seed=rank)
+    opt = optimizer("adamw", model)
+    # Fabric compiles again around the strategy's wrapper (Note [compiled wrapper]); aot_eager traces
+    # forward and backward as inductor does, without generating code.
+    model, opt = fabric.setup(torch.compile(model, backend="aot_eager"), opt)
+    try:
+        norms = train_steps(fabric, model, opt, batches(), rank, world)
+    except ValueError as e:
+        fabric.strategy.teardown()
+        return str(e)
+    compiled = fabric.strategy.wrapper.compiled_forward
+    params = params_of(model)
+    fabric.strategy.teardown()
+    return params, norms, compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["auto", False])
+def test_a_compiled_model_under_fabric_equals_one_process(overlap):
+    results = run_distributed(_compiled_worker, 2, overlap)
+    assert all(r[2] for r in results), "the wrapper's forward ran compiled"
+    assert_equal_to_one_process([r[:2] for r in results], reference_run("adamw"), f"compiled, overlap={overlap}")
+
+
+@pytest.mark.slow
+def test_overlap_true_with_a_compiled_model_is_refused_at_the_first_step():
+    for message in run_distributed(_compiled_worker, 2, True):
+        assert isinstance(message, str) and message.startswith(
+            "LayerwiseFabricStrategy(overlap_param_gather=True) with a model compiled around"), message

@@ -840,7 +840,7 @@ def test_split_pieces_and_owner_groups_on_cuda_match_one_process(owner_group_siz
 FABRIC_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 
-def _fabric_gpu_child(tmp: str, precision: str) -> dict:
+def _fabric_gpu_child(tmp: str, precision: str, compiled: bool = False) -> dict:
     from lightning.fabric import Fabric
     from test_elementwise_fill import batches, gpt, gpt_loss
 
@@ -855,7 +855,9 @@ def _fabric_gpu_child(tmp: str, precision: str) -> dict:
             fabric = Fabric(accelerator="cuda", devices=1, strategy=strategy, precision=precision)
             fabric.launch()
             model = gpt()
-            model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1))
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+            # Fabric compiles again around what the strategy returns (Note [compiled wrapper]).
+            model, opt = fabric.setup(torch.compile(model) if compiled else model, opt)
             losses, norms = [], []
             for tokens in batches(8):
                 tokens = fabric.to_device(tokens)
@@ -874,24 +876,26 @@ def _fabric_gpu_child(tmp: str, precision: str) -> dict:
                          "scaler": type(scaler).__name__, "scale": None if scaler is None else scaler.get_scale()}
             if kind != "ddp":
                 out[kind]["real_groups"] = fabric.strategy.process_groups.dp is not None
+                out[kind]["compiled_forward"] = fabric.strategy.wrapper.compiled_forward
                 fabric.strategy.teardown()
         finally:
             llw.ProcessGroups.create = original
     return out
 
 
-@pytest.mark.parametrize("precision", FABRIC_PRECISIONS)
-def test_fabric_on_one_gpu_matches_fabric_ddp(precision):
+@pytest.mark.parametrize(("precision", "compiled"), [(p, False) for p in FABRIC_PRECISIONS] + [("32-true", True)])
+def test_fabric_on_one_gpu_matches_fabric_ddp(precision, compiled):
     """``Fabric(strategy="layerwise")`` (no communication, and forced to real one-rank NCCL groups) against
     ``Fabric(strategy="ddp")`` on the same GPU: two micro-batches per step with ``no_backward_sync``,
     ``clip_gradients`` by norm, AdamW, 8 steps. At one rank the arithmetic is the same, so parameters,
     losses and clipped norms agree to 1e-5; under ``16-mixed`` the layer-wise run uses torch's
     ``ShardedGradScaler`` over the NCCL group and must keep the same loss scale."""
-    out = _run_child(_fabric_gpu_child, precision)
+    out = _run_child(_fabric_gpu_child, precision, compiled)
     ddp = out["ddp"]
     for kind in ("layerwise", "layerwise_nccl"):
         got = out[kind]
-        print(f"fabric {precision} {kind}: params {_max_err(got, ddp):.2e}, losses "
+        assert got["compiled_forward"] == compiled, kind
+        print(f"fabric {precision} compiled={compiled} {kind}: params {_max_err(got, ddp):.2e}, losses "
               f"{_rel_err(got['losses'], ddp['losses']):.2e}, norms {_rel_err(got['norms'], ddp['norms']):.2e}, "
               f"scale {got['scale']} (ddp {ddp['scale']}), scaler {got['scaler']}; ddp norms {ddp['norms'].tolist()}")
         assert got["real_groups"] == (kind == "layerwise_nccl"), kind
