@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import sys
+from abc import ABC, abstractmethod
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -77,7 +78,7 @@ def check_precision(plugin, supported: tuple) -> None:
             "'64-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'.")
 
 
-class LayerwiseCore:
+class LayerwiseCore(ABC):
     """The layer-wise optimizer's strategy logic, for a Trainer or a Fabric ``DDPStrategy`` (see the module doc)."""
 
     # --- arguments ---------------------------------------------------------------------------------------------------
@@ -172,18 +173,23 @@ class LayerwiseCore:
         check_accelerator(accelerator, self._accelerator_classes, self._accelerator_fix)
         self._accelerator = accelerator
 
-    # --- what the host provides --------------------------------------------------------------------------------------
+    # --- what the host provides (abstract: each strategy class implements them) ---------------------------------
+    @property
+    @abstractmethod
+    def wrapper(self) -> Optional[LayerwiseDataParallel]:
+        """The engine wrapping the module while it trains (``None`` before setup and after teardown)."""
+
+    @abstractmethod
     def _user_module(self) -> Optional[torch.nn.Module]:
         """The module being trained, not wrapped."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _user_optimizers(self) -> list[Optimizer]:
         """Its optimizers, not wrapped."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _half_true(self) -> bool:
         """Whether the precision is ``bf16-true`` / ``16-true`` (float32 master weights, float32 gradients)."""
-        raise NotImplementedError
 
     # --- wrapping ----------------------------------------------------------------------------------------------------
     @property
