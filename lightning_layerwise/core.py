@@ -444,6 +444,13 @@ class LayerwiseCore(ABC):
                 "expert-parallel sizes) and `python -m lightning.pytorch.utilities.consolidate_checkpoint` for "
                 "one file.")
 
+    def _check_full_load_with_experts(self) -> None:
+        if self.expert_parallel_size > 1:
+            # A full file names every expert globally; this rank's module holds only its own, under local names.
+            raise ckpt.CheckpointError(
+                f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is not "
+                "supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
+
     def _write_full_or_check_sharded(self, target: str, checkpoint: dict[str, Any], storage_options: Any,
                                      call: str) -> bool:
         """``"full"``: rank 0 writes ``checkpoint`` through the CheckpointIO plugin, aside and renamed into place on

@@ -362,10 +362,8 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
             if optimizer_states:
                 self._load_optimizer_states(self._optimizers, optimizer_states)
         else:
-            if self.expert_parallel_size > 1 and module_key is not None:
-                raise ckpt.CheckpointError(
-                    f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is not "
-                    "supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
+            if module_key is not None:
+                self._check_full_load_with_experts()
             rest = self._read_file(path, weights_only)
             if module_key is not None:
                 # A Trainer checkpoint file keeps the model under "state_dict" and the optimizers in a list.

@@ -411,10 +411,7 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if "state_dict" not in checkpoint:  # sharded: already read by load_checkpoint
             return
-        if self.expert_parallel_size > 1:
-            raise ckpt.CheckpointError(
-                f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is not "
-                "supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
+        self._check_full_load_with_experts()
         self.sync_parameters()
         super().load_model_state_dict(checkpoint, strict=strict)
         self._after_model_load()

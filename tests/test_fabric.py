@@ -586,3 +586,30 @@ def test_overlap_true_with_a_compiled_model_is_refused_at_the_first_step():
     for message in run_distributed(_compiled_worker, 2, True):
         assert isinstance(message, str) and message.startswith(
             "LayerwiseFabricStrategy(overlap_param_gather=True) with a model compiled around"), message
+
+
+def _moe_full_load_worker(rank, world, path):
+    import test_experts as X
+
+    fabric = make_fabric(world, bucket_size=4096, expert_parallel_size=2)
+    model = X.moe_gpt(2, fabric.strategy.expert_parallel_rank)
+    model, opt = fabric.setup(model, X.optimizer("adamw", model))
+    try:
+        fabric.load(path, {"model": model})
+    except Exception as e:  # noqa: BLE001 - the message is what is tested
+        return f"{type(e).__name__}: {e}"
+    finally:
+        fabric.strategy.teardown()
+    return None
+
+
+@pytest.mark.slow
+def test_a_full_file_at_expert_parallel_size_two_is_refused(tmp_path):
+    import test_experts as X
+
+    path = str(tmp_path / "full.pt")
+    torch.save({"model": X.moe_gpt().state_dict()}, path)  # every expert, under global names
+    for message in run_distributed(_moe_full_load_worker, 2, path):
+        assert message == ("CheckpointError: loading a full checkpoint file with expert_parallel_size=2 is not "
+                           "supported yet; load it with expert_parallel_size=1, or resume from a sharded "
+                           "checkpoint."), message
