@@ -280,7 +280,7 @@ def _gpt_variant(name: str, config: GPTConfig, device: torch.device, world: Worl
             runner.start_param_sync()
         else:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
         if len(losses) < 3:
             losses.append(loss.detach())
 

@@ -103,6 +103,7 @@ def run_config(rank: int, world: int, model_name: str, config: str, steps: int, 
         loss_fn(wrapper, inputs, target).backward()
         wrapper.finish_grad_sync()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         wrapper.start_param_sync()
         elapsed = time.perf_counter() - t0
         if step >= warmup:

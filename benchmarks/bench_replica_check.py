@@ -56,6 +56,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, repeats: int) -> None
             wrapper(idx[:, :-1], idx[:, 1:])[1].backward()
             wrapper.finish_grad_sync()
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
             wrapper.start_param_sync(force_sync=True)
             t1 = time.perf_counter()
             wrapper.check_replicas()

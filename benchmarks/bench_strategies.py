@@ -1145,9 +1145,7 @@ def profile_hooks(size_name: str, steps: int = 15) -> None:
         if wrap:
             model.finish_grad_sync()
             model.start_param_sync()
-        else:
-            for p in model.parameters():
-                p.grad = None
+        model.zero_grad(set_to_none=True)
 
     models = {False: build(False), True: build(True)}
     times: dict[bool, list[float]] = {False: [], True: []}

@@ -6,10 +6,21 @@ write the buffers directly: the all-gather fills a bucket of the param buffer in
 place, and the parameters see the new values without any copy. Gradients are
 added into the grad buffer by the wrapper's hooks; padding is never written and
 stays zero.
+
+Note [memory format]
+    A parameter keeps its memory format (``channels_last``, a transposed weight):
+    its slot is viewed with the parameter's strides, and so is its gradient's slot,
+    so the optimizer sees parameter and gradient laid out as under ``ddp``. That
+    needs strides that cover exactly ``numel`` elements without gaps or overlap
+    (any permutation of a contiguous layout); a parameter with other strides (a
+    view with gaps) becomes contiguous, with a warning. A non-contiguous parameter
+    is never split into pieces: a piece is a range of storage, and checkpoints cut
+    and join pieces as ranges of the parameter's logical elements.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +59,36 @@ def allocate_buffers(
         device = devices.pop()
         params = torch.zeros(plan.numel, dtype=plan.dtype, device=device)
         grads = torch.zeros(plan.numel, dtype=grad_dtype or plan.dtype, device=device)
+        relaid = []
         for slot in members:
             p = named_params[slot.name]
-            view = view_of(params, slot)
+            if not p.is_contiguous() and not is_dense_permutation(p):
+                relaid.append(slot.name)
+            view = view_of(params, slot, like=p)
             view.copy_(p.detach())
             p.data = view
+        if relaid:
+            warnings.warn(f"parameters {relaid[:3]} have strides with gaps or overlaps; strategy='layerwise' "
+                          "keeps them contiguous in its buffers (Note [memory format]).", stacklevel=3)
         buffers.append(FlatBuffer(params, grads))
     return buffers
 
 
-def view_of(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """The parameter-shaped view of ``slot`` inside a flat buffer."""
-    return flat[slot.offset : slot.end].view(slot.shape)
+def is_dense_permutation(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s strides lay its elements out without gaps or overlaps, in some dimension order."""
+    dims = sorted((s, n) for n, s in zip(tensor.shape, tensor.stride()) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def view_of(flat: torch.Tensor, slot: ParamSlot, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The parameter-shaped view of ``slot`` inside a flat buffer, strided as ``like`` where its strides are
+    a dense permutation (Note [memory format])."""
+    part = flat[slot.offset : slot.end]
+    if like is not None and not like.is_contiguous() and is_dense_permutation(like):
+        return part.as_strided(slot.shape, like.stride())
+    return part.view(slot.shape)

@@ -42,14 +42,14 @@ from typing import Union
 import torch
 
 from . import collectives
-from .data_parallel import BucketState, LayerwiseDataParallel
+from .data_parallel import BucketState, LayerwiseDataParallel, _same_memory
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
 
 NormType = Union[float, int, str]
 
 
-def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0) -> torch.Tensor:
+def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, parameters=None) -> torch.Tensor:
     """The ``norm_type``-norm of the full reduced gradient, computed from this rank's shards.
 
     Collective over the wrapper's data-parallel group: every rank must call it,
@@ -61,18 +61,28 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0) -> torc
         wrapper: the wrapper, after :meth:`~LayerwiseDataParallel.finish_grad_sync`.
         norm_type: ``p > 0`` of the p-norm, or ``float('inf')`` (also ``'inf'``)
             for the largest absolute value.
+        parameters: only the gradient of these (model parameters, or what an optimizer holds:
+            pieces, masters; the same set on every rank), e.g. one optimizer's parameters.
+            Default: every parameter the wrapper trains.
     """
     p = _check_norm_type(norm_type)
-    shards = _owned_shards(wrapper)
-    if p == 2.0:
-        return wrapper.grad_norm_squared().sqrt()
+    _check_reduced(wrapper)
+    units = None if parameters is None else _units_of(wrapper, parameters)
+    if units is not None and len(units) == len(wrapper._units):
+        units = None  # all of this rank's gradient: whole shards (padding is zero), fewer kernels
     if math.isinf(p):
-        total = torch.zeros((), dtype=torch.float32, device=shards[0].device)
-        for shard in shards:
-            if shard.numel():
-                total = torch.maximum(total, shard.abs().amax().float().to(total.device))
+        device = wrapper.flat_buffers[0].grads.device
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        tensors = [wrapper._own_shard(b) for b in wrapper.buckets] if units is None else [u.slot for u in units]
+        for tensor in tensors:
+            if tensor.numel():
+                total = torch.maximum(total, tensor.abs().amax().float().to(total.device))
         return _all_reduce_max(total, wrapper.process_groups.dp)  # a maximum may count elements twice
-    return wrapper.shard_sum(lambda shard: shard.float().abs().pow(p).sum()).pow(1.0 / p)
+    if p == 2.0 and units is None:
+        return wrapper.grad_norm_squared().sqrt()
+    if p == 2.0:
+        return wrapper.shard_sum(lambda g: g.float().square().sum(), units).sqrt()
+    return wrapper.shard_sum(lambda g: g.float().abs().pow(p).sum(), units).pow(1.0 / p)
 
 
 def clip_grad_norm_(
@@ -80,6 +90,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: NormType = 2.0,
     error_if_nonfinite: bool = False,
+    parameters=None,
 ) -> torch.Tensor:
     """Scales the owned gradients so that the full gradient's norm is at most ``max_norm``.
 
@@ -93,30 +104,41 @@ def clip_grad_norm_(
         norm_type: as in :func:`grad_norm`.
         error_if_nonfinite: raise ``RuntimeError`` (on every rank) if the total
             norm is NaN or infinite instead of scaling by it.
+        parameters: as in :func:`grad_norm`: clip the gradient of these only.
 
     Returns:
         The total norm before clipping (float32 scalar, the same on every rank).
     """
     _check_nonnegative("max_norm", max_norm, "max_norm=1.0")
-    total_norm = grad_norm(wrapper, norm_type)
+    total_norm = grad_norm(wrapper, norm_type, parameters)
     if error_if_nonfinite and not torch.isfinite(total_norm).item():
         raise RuntimeError(
             f"the total norm of order {float(norm_type)} of the gradients is {total_norm.item()}, so it "
             "cannot be clipped. Find the source of the non-finite gradient (e.g. a too high learning rate or "
             "an fp16 overflow), or pass error_if_nonfinite=False to scale by the non-finite norm anyway."
         )
+    scale_grads_by_norm_(wrapper, max_norm, total_norm, parameters)
+    return total_norm
+
+
+def scale_grads_by_norm_(wrapper: LayerwiseDataParallel, max_norm: float, total_norm: torch.Tensor,
+                         parameters=None) -> None:
+    """Multiplies the owned gradients (of ``parameters``) by ``min(max_norm / (total_norm + 1e-6), 1)``.
+
+    Element-wise given the total norm, so no communication. See Note [scaling owned gradients].
+    """
     # Same arithmetic as torch.nn.utils.clip_grad_norm_ (multiplying by a coefficient clamped
     # to 1 even when nothing needs clipping avoids a host sync on accelerators).
     clip_coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in _owned_grad_tensors(wrapper):
+    for t in _owned_grad_tensors(wrapper, parameters):
         grouped.setdefault((t.device, t.dtype), []).append(t)
-    for (device, _), tensors in grouped.items():
-        torch._foreach_mul_(tensors, clip_coef.to(device))
-    return total_norm
+    with torch.no_grad():
+        for (device, _), tensors in grouped.items():
+            torch._foreach_mul_(tensors, clip_coef.to(device))
 
 
-def clip_grad_value_(wrapper: LayerwiseDataParallel, clip_value: float) -> None:
+def clip_grad_value_(wrapper: LayerwiseDataParallel, clip_value: float, parameters=None) -> None:
     """Clamps every owned gradient into ``[-clip_value, clip_value]``, like ``torch.nn.utils.clip_grad_value_``.
 
     Element-wise, so no communication: each rank clamps the gradients it owns.
@@ -125,52 +147,55 @@ def clip_grad_value_(wrapper: LayerwiseDataParallel, clip_value: float) -> None:
     Args:
         wrapper: the wrapper, after :meth:`~LayerwiseDataParallel.finish_grad_sync`.
         clip_value: the largest allowed absolute value, ``>= 0``.
+        parameters: as in :func:`grad_norm`: clamp the gradient of these only.
     """
     _check_nonnegative("clip_value", clip_value, "clip_value=1.0")
-    _owned_shards(wrapper)  # raises before finish_grad_sync, where no gradient is owned yet
+    _check_reduced(wrapper)  # before finish_grad_sync no gradient is owned yet
     value = float(clip_value)
     with torch.no_grad():
-        for t in _owned_grad_tensors(wrapper):
+        for t in _owned_grad_tensors(wrapper, parameters):
             t.clamp_(min=-value, max=value)
 
 
 # --- helpers -----------------------------------------------------------------------------
 
-def _owned_shards(wrapper: LayerwiseDataParallel) -> list[torch.Tensor]:
-    """This rank's shard of every bucket's gradient; raises unless the gradients are reduced."""
+def _check_reduced(wrapper: LayerwiseDataParallel) -> None:
+    """Raises unless the wrapper's gradients are reduced (its shards hold the owned gradients)."""
     if not isinstance(wrapper, LayerwiseDataParallel):
         raise TypeError(
             f"expected the LayerwiseDataParallel wrapper, got {type(wrapper).__name__}. Pass the wrapper "
             "(its gradients are sharded across ranks); for an unwrapped module use torch.nn.utils.clip_grad_norm_."
         )
-    buckets = wrapper.buckets
-    if any(b.grads_state is not BucketState.REDUCED for b in buckets):
+    if any(b.grads_state is not BucketState.REDUCED for b in wrapper.buckets):
         raise RuntimeError(
             "the gradients are not reduced yet: call wrapper.finish_grad_sync() after the last backward of "
             "the step and before computing a gradient norm or clipping."
         )
-    return [wrapper._own_shard(b) for b in buckets]
 
 
-def _owned_grad_tensors(wrapper: LayerwiseDataParallel) -> list[torch.Tensor]:
-    """Every tensor holding an owned gradient: ``main_grad`` and, when it is a copy, ``.grad``."""
+def _units_of(wrapper: LayerwiseDataParallel, parameters) -> list:
+    """What this rank steps of ``parameters`` (each unit once, in any order given)."""
+    units, seen = [], set()
+    for t in parameters:
+        unit = wrapper.unit_of(t)
+        if unit is not None and id(unit) not in seen:
+            seen.add(id(unit))
+            units.append(unit)
+    return units
+
+
+def _owned_grad_tensors(wrapper: LayerwiseDataParallel, parameters=None) -> list[torch.Tensor]:
+    """Every tensor holding an owned gradient: ``main_grad`` and, where they are copies, ``.grad`` of the
+    parameter or piece and of its master."""
+    units = wrapper._units if parameters is None else _units_of(wrapper, parameters)
     tensors = []
-    for p in wrapper.owned_parameters():
-        grad = p.grad
-        if grad is None:
+    for unit in units:
+        holders = [t.grad for t in (unit.tensor, unit.master) if t is not None and t.grad is not None]
+        if not holders:
             continue
-        main = getattr(p, "main_grad", None)
-        if main is not None:
-            tensors.append(main)
-            if _same_tensor_memory(grad, main):
-                continue
-        tensors.append(grad)
+        tensors.append(unit.slot)
+        tensors.extend(g for g in holders if not _same_memory(g, unit.slot))
     return tensors
-
-
-def _same_tensor_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
-                      and a.stride() == b.stride())
 
 
 def _all_reduce_max(tensor: torch.Tensor, group) -> torch.Tensor:

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from . import checkpoint as ckpt
-from .data_parallel import LayerwiseDataParallel
+from .data_parallel import LayerwiseDataParallel, reject_sparse_gradients
 from .experts import check_expert_marks, expert_key_map, expert_key_predicate, expert_parameter_names
 from .layout import DEFAULT_BUCKET_SIZE, choose_owner_group_size, param_specs
 from .optim.elementwise import elementwise_parameters, resolve_optimizer_classes
@@ -209,6 +209,7 @@ class LayerwiseCore(ABC):
         """Creates this run's process groups and wraps ``module`` (collective). The optimizers already exist
         when ``use_elementwise``: the layout splits the parameters they update element-wise."""
         self._released_ownership = None
+        reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
         elementwise = self._elementwise_predicate() if use_elementwise else None
         experts = self._expert_names()
         self._expert_map = (expert_key_map(module, self.expert_parallel_rank)
@@ -237,11 +238,17 @@ class LayerwiseCore(ABC):
         return wrapper
 
     def _after_wrap(self) -> None:
-        """Master weights (``bf16-true``/``16-true``) and checkpoint names, once the optimizer is in place."""
+        """Master weights (``bf16-true``/``16-true``) and checkpoint names, once the optimizers are in place.
+
+        Called again for each optimizer set up later (Fabric): the masters are made once and put into every
+        optimizer."""
         self._steps = 0
         optimizers = self._user_optimizers()
         if self._half_true() and optimizers and self.wrapper is not None:
-            self._masters = MasterWeights(self.wrapper, optimizers[0], self._global_name)
+            if self._masters is None:
+                self._masters = MasterWeights(self.wrapper, self._global_name)
+            for optimizer in optimizers:
+                self._masters.use_in(optimizer)
         self._names = self._checkpoint_names()
 
     def _check_expert_parallel_size(self) -> None:
@@ -308,11 +315,17 @@ class LayerwiseCore(ABC):
         return g
 
     def _elementwise_predicate(self) -> Optional[Callable[[str, torch.nn.Parameter], bool]]:
-        """Which parameters the layout may split: those the optimizer updates element-wise."""
+        """Which parameters the layout may split: those every optimizer holding them updates element-wise."""
         optimizers = self._user_optimizers()
-        if not self.elementwise_fill or len(optimizers) != 1:
+        if not self.elementwise_fill or not optimizers:
             return None
-        elementwise = elementwise_parameters(optimizers[0], self.elementwise_optimizers)
+        elementwise: set = set()
+        whole: set = set()
+        for optimizer in optimizers:
+            mine = elementwise_parameters(optimizer, self.elementwise_optimizers)
+            elementwise |= mine
+            whole |= {p for g in optimizer.param_groups for p in g["params"] if p not in mine}
+        elementwise -= whole
         return lambda name, p: p in elementwise
 
     def _grad_reduce_dtype(self) -> Optional[torch.dtype]:
@@ -327,17 +340,40 @@ class LayerwiseCore(ABC):
         wrapper = self.wrapper
         if wrapper is not None and wrapper.reduces_on_backward:
             wrapper.finish_grad_sync()
-            if self._masters is not None:
-                self._masters.attach_grads()
 
-    def _after_optimizer_step(self) -> None:
-        """Masters written back, the all-gather started (awaited by the next forward), replicas checked."""
+    def _before_backward(self) -> None:
+        """Every backward adds to the gradients until they are cleared (Note [gradient lifecycle])."""
+        wrapper = self.wrapper
+        if wrapper is not None:
+            wrapper.prepare_backward()
+
+    def _before_optimizer_step(self, what: str) -> None:
+        """No all-gather may still read the shards the step writes; the gradients must be reduced."""
+        wrapper = self.wrapper
+        if wrapper is None:
+            return
+        wrapper.finish_param_sync()
+        if wrapper.grads_pending:
+            raise RuntimeError(
+                f"strategy='layerwise': {what} with gradients that were never reduced: the last backward ran "
+                "inside no_sync (fabric.no_backward_sync / trainer.model.no_sync()) or bypassed the strategy (a "
+                "bare loss.backward() instead of self.manual_backward(loss) / fabric.backward(loss)). Run the "
+                "step's last backward through the strategy and outside no_sync.")
+
+    def _after_optimizer_step(self, optimizer: Optional[Optimizer] = None) -> None:
+        """Masters written back, the all-gather started (awaited by the next forward), replicas checked.
+
+        With several optimizers only the buckets holding ``optimizer``'s parameters are gathered."""
         wrapper = self.wrapper
         if wrapper is None:
             return
         if self._masters is not None:
             self._masters.write_back()
-        wrapper.start_param_sync(force_sync=self._sync_after_step or self._compiled_needs_sync(wrapper))
+        stepped = None
+        if optimizer is not None and len(self._user_optimizers()) > 1:
+            stepped = [t for g in optimizer.param_groups for t in g["params"]]
+        wrapper.start_param_sync(force_sync=self._sync_after_step or self._compiled_needs_sync(wrapper),
+                                 tensors=stepped)
         self._steps += 1
         if self.replica_check_every is not None and self._steps % self.replica_check_every == 0:
             wrapper.check_replicas()
@@ -425,7 +461,7 @@ class LayerwiseCore(ABC):
         names = self._names or self._checkpoint_names()
         named = ckpt.named_optimizer_state(optimizer, names)
         if self._masters is not None:
-            named["master_weights"] = self._masters.state_dict()
+            named["master_weights"] = self._masters.state_dict(optimizer)
         if self.checkpoint_format == "sharded":
             return named
         ownership = self._ownership()

@@ -96,13 +96,43 @@ Note [pieces]
     hold exactly the elements each rank steps, so nothing changes for them.
 
 Note [gradient lifecycle]
-    The grad buffer is zeroed lazily by the first forward with grad enabled
-    after a step's gradients were handed out (or explicitly by
-    :meth:`LayerwiseDataParallel.zero_grad_buffer`), so every optimizer step sees
-    exactly the gradients of the micro-batches since the previous step.
-    Parameters' own ``.grad`` is always ``None`` during backward: the
-    post-accumulate-grad hook moves each gradient into the buffer and drops it,
-    so autograd never accumulates into a view of the reduced shard.
+    Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
+    backward adds to them, whether or not it reduces, until the user clears them
+    (``optimizer.zero_grad()``). A rank holds the reduced gradient only of what it
+    steps, its *units* (:class:`GradUnit`: an owned whole parameter, or its piece
+    of a split one), so "adds to them" needs care: the buffer's own shard holds
+    the reduced sum so far, and every other element holds local gradients that
+    were already sent.
+
+    So each backward after a sync first *restarts accumulation*
+    (:meth:`LayerwiseDataParallel.prepare_backward`, which the strategies call
+    before every backward; the gradient hook and :meth:`finish_grad_sync` call it
+    when nobody did). A unit whose gradient is still held (the tensor the
+    optimizer steps, its float32 master where there is one, has a ``.grad``) is
+    *carried*: its reduced gradient is set aside (``.grad`` zeroed in place by
+    ``zero_grad(set_to_none=False)`` carries zero; a ``.grad`` the user replaced
+    carries its value). Then the buffer is zeroed and every ``.grad`` is set to
+    ``None``, so autograd never accumulates into a view of the reduced shard.
+    The next reducing backward reduces only the new local gradients, and the
+    carried ones are added back to the reduced shard after the reduction: every
+    rank sends exactly what ``ddp`` would, and the result is the sum of every
+    backward's mean gradient. When every unit was cleared (``zero_grad`` before
+    each step: the usual loop) nothing is carried and no memory is used for it.
+    :meth:`LayerwiseDataParallel.zero_grad_buffer` drops everything.
+
+    A bare ``loss.backward()`` that bypasses the strategy runs autograd before
+    anything can restart accumulation: the first parameter to receive a gradient
+    has it added into whatever ``.grad`` holds. That is harmless when its
+    ``.grad`` was cleared and detected (an error naming the fix) when it was
+    still the gradient handed out. Fabric refuses a bare ``backward`` anyway, and
+    the Trainer's hooks always go through the strategy.
+
+    A unit whose optimizer-side tensor (a piece or a master) has
+    ``requires_grad=False`` gets no gradient, as the model parameter would not
+    under ``ddp``: ``LightningModule.toggle_optimizer`` switches off the tensors
+    the *optimizer* holds, and on ranks where those are pieces or masters the
+    model parameter itself keeps ``requires_grad=True``. Every rank then drops
+    its local gradient of that parameter, so the reduction stays consistent.
 """
 
 from __future__ import annotations
@@ -113,6 +143,7 @@ import hashlib
 import math
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -167,6 +198,37 @@ class Bucket:
     @property
     def name(self) -> str:
         return f"{self.buffer}.{self.index}"
+
+
+@dataclass(eq=False)
+class GradUnit:
+    """What this rank steps of one parameter, and where its reduced gradient lives (Note [gradient lifecycle])."""
+
+    param: nn.Parameter
+    """The model's parameter."""
+    tensor: nn.Parameter
+    """What the wrapper hands the gradient to: ``param`` itself (owned whole) or this rank's piece of it."""
+    slot: torch.Tensor
+    """Its elements of the grad buffer (the buffer's dtype): ``main_grad``."""
+    bucket: Bucket
+    master: torch.Tensor | None = None
+    """A float32 master the optimizer steps in place of ``tensor`` (``bf16-true``), set by :meth:`set_master`."""
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        """The tensor the optimizer holds for this unit."""
+        return self.master if self.master is not None else self.tensor
+
+
+_LIVE: dict[int, "weakref.ref[LayerwiseDataParallel]"] = {}
+"""``id(tensor)`` -> the live wrapper that trains it (its parameters, pieces and masters). Lets torch's
+gradient utilities find the wrapper behind the tensors they are given (``grad_utils.py``)."""
+
+
+def wrapper_of(tensor) -> "LayerwiseDataParallel | None":
+    """The live wrapper training ``tensor`` (a parameter in its layout, a piece or a master), else ``None``."""
+    ref = _LIVE.get(id(tensor))
+    return ref() if ref is not None else None
 
 
 class LayerwiseDataParallel(nn.Module):
@@ -247,6 +309,12 @@ class LayerwiseDataParallel(nn.Module):
         self.owner_size = self.process_groups.owner_size
         self.owner_rank = self.process_groups.owner_rank
 
+        reject_sparse_gradients(module)
+        if elementwise is not None:
+            # A piece is a range of the parameter's storage, cut and joined in checkpoints as a range of its
+            # logical elements: the two agree only for a contiguous parameter (Note [memory format] in buffers.py).
+            user_elementwise = elementwise
+            elementwise = lambda name, p: p.is_contiguous() and user_elementwise(name, p)  # noqa: E731
         specs = param_specs(module, expert=expert, elementwise=elementwise)
         if not specs:
             raise ValueError(
@@ -285,8 +353,9 @@ class LayerwiseDataParallel(nn.Module):
                 for p in params:
                     self._bucket_of[p] = bucket
         # Each parameter's slot in its grad buffer, made once: the backward hook runs per parameter per step.
+        # Strided as the parameter, so the reduced gradient keeps its memory format (Note [memory format]).
         self._grad_views: dict[nn.Parameter, torch.Tensor] = {
-            p: view_of(self._flat_buffers[self.layout.params[n].buffer].grads, self.layout.params[n])
+            p: view_of(self._flat_buffers[self.layout.params[n].buffer].grads, self.layout.params[n], like=p)
             for p, n in self._param_names.items()
         }
         self._gather_order = sorted(self._buckets, key=lambda b: b.first_param)
@@ -341,10 +410,33 @@ class LayerwiseDataParallel(nn.Module):
         """Whether this wrapper's forward has run inside ``torch.compile`` (Note [compiled wrapper])."""
         self._seen: set[nn.Parameter] = set()  # parameters whose gradient arrived this step
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
-        self._next_gather = len(self._gather_order)  # nothing to gather until start_param_sync
+        self._gather_queue: list[Bucket] = []  # the buckets the current parameter sync gathers, in order
+        self._next_gather = 0  # position in _gather_queue of the next bucket to dispatch
         self._in_flight: list[Bucket] = []
 
         self._broadcast_from_rank0()
+        # What this rank steps, in registration order (Note [gradient lifecycle]).
+        self._units: list[GradUnit] = []
+        for p in self._param_names:
+            if p in self._owned:
+                self._units.append(GradUnit(p, p, self._grad_views[p], self._bucket_of[p]))
+            elif p in self._shards:
+                self._units.append(GradUnit(p, self._shards[p], self._shard_grad_views[p], self._bucket_of[p]))
+        self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
+        self._unit_of.update((u.param, u) for u in self._units)
+        self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
+        self._refresh_stepped_apart()
+        self._handed: dict[nn.Parameter, torch.Tensor] = {}  # param -> the .grad tensor the last sync gave it
+        self._handed_ids: set[int] = set()  # every gradient tensor the last sync handed out
+        self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
+        self._carried: set[nn.Parameter] = set()  # parameters with a carried gradient this accumulation
+        self._registered = [*self._param_names, *self._shards.values()]
+        for t in self._registered:
+            _LIVE[id(t)] = weakref.ref(self)
+        from . import grad_utils  # imports this module
+
+        grad_utils.install()
+
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_names]
         self._hook_handles += self._register_forward_pre_hooks()
 
@@ -431,8 +523,6 @@ class LayerwiseDataParallel(nn.Module):
         """The step's bookkeeping before a training forward, always run eagerly (Note [compiled wrapper])."""
         if torch.is_grad_enabled() and self.module.training:
             self._check_module_unchanged()
-            if self._grads_handed_out:
-                self.zero_grad_buffer()
             if self.broadcast_buffers:
                 self._broadcast_module_buffers()
 
@@ -482,16 +572,57 @@ class LayerwiseDataParallel(nn.Module):
             self._micro_batch_is_last = previous
 
     def zero_grad_buffer(self) -> None:
-        """Zeros every gradient buffer and drops the gradients handed out by the last sync.
+        """Drops every gradient: zeros the gradient buffers and sets every ``.grad`` this wrapper gave to ``None``.
 
         A reduce-scatter still in flight (a step abandoned after its backward) is waited
         for first: its collective reads and writes the buffer being zeroed.
         """
+        self._restart_accumulation(carry=False)
+
+    def prepare_backward(self) -> None:
+        """Call before a backward: after a sync, restarts accumulation (Note [gradient lifecycle]).
+
+        Gradients still held (their optimizer tensor has a ``.grad``) are carried into the next
+        reduction; cleared ones are dropped. A no-op while gradients accumulate. The strategies call
+        it before every backward; without it the gradient hook does, after the first gradient arrived.
+        """
+        if self._grads_handed_out:
+            self._restart_accumulation(carry=True)
+
+    def _restart_accumulation(self, carry: bool) -> None:
         self._wait_pending_reduces()
-        for p in [*self._param_names, *self._shards.values()]:
+        carried: list[GradUnit] = []
+        if carry and self._grads_handed_out:
+            for unit in self._units:
+                grad = unit.stepped.grad
+                if grad is None:
+                    continue
+                if not _same_memory(grad, unit.slot):  # a copy in another dtype, or a tensor the user set
+                    with torch.no_grad():
+                        unit.slot.copy_(grad)
+                carried.append(unit)
+        self._carry = []
+        self._carried = {u.param for u in carried}
+        if carried:
+            keep = {id(u) for u in carried}
+            for bucket in {u.bucket: None for u in carried}:
+                own = self._own_shard(bucket)
+                for unit in self._units:
+                    if unit.bucket is bucket and id(unit) not in keep:
+                        unit.slot.zero_()  # a cleared gradient is not carried
+                self._carry.append((own, own.clone()))
+        for p in self._param_names:
             p.grad = None
             if hasattr(p, "main_grad"):
                 del p.main_grad
+        for unit in self._units:
+            for t in (unit.tensor, unit.master):
+                if t is not None:
+                    t.grad = None
+                    if hasattr(t, "main_grad"):
+                        del t.main_grad
+        self._handed.clear()
+        self._handed_ids.clear()
         for flat in self._flat_buffers:
             flat.grads.zero_()
         for b in self._buckets:
@@ -503,6 +634,10 @@ class LayerwiseDataParallel(nn.Module):
         self._seen.clear()
         for flags in self._split_flags:
             flags.zero_()
+        for param in self._carried:
+            flag = self._split_flag.get(param)
+            if flag is not None:
+                flag.fill_(1.0)  # a carried piece: the parameter has a gradient this step on every rank
 
     def _wait_pending_reduces(self) -> None:
         for bucket in self._reduce_order:
@@ -511,25 +646,42 @@ class LayerwiseDataParallel(nn.Module):
                 bucket.reduce = None
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        bucket = self._bucket_of[param]
+        grad = param.grad
+        param.grad = None  # autograd must never accumulate into a gradient the wrapper handed out
         if self._grads_handed_out:
+            if grad is not None and grad is self._handed.get(param):
+                raise RuntimeError(
+                    f"a backward started while {self._param_names[param]!r} still held the gradient of the last "
+                    "sync, without the strategy's backward (fabric.backward, self.manual_backward) or "
+                    "wrapper.prepare_backward() before it, so autograd added the new gradient into the reduced "
+                    "one. Run backward through the strategy, call wrapper.prepare_backward() before "
+                    "loss.backward(), or clear the gradients first (optimizer.zero_grad())."
+                )
+            self.prepare_backward()
+        if grad is None:
+            return
+        if grad.is_sparse:
             raise RuntimeError(
-                "backward ran after finish_grad_sync() without a forward through the wrapper in between; "
-                "call zero_grad_buffer() (or run the forward through the wrapper) before the next backward."
-            )
+                f"{self._param_names[param]!r} received a sparse gradient (an embedding looked up with "
+                "sparse=True); strategy='layerwise' reduces dense gradient buckets. Use sparse=False.")
+        apart = self._stepped_apart.get(param)
+        if apart is not None and not apart.stepped.requires_grad:
+            # Switched off on the optimizer's tensor (toggle_optimizer): see Note [gradient lifecycle].
+            return
+        bucket = self._bucket_of[param]
         if bucket.grads_state is not BucketState.ACCUMULATING:
             name = self._param_names[param]
             raise RuntimeError(
-                f"a gradient for {name!r} arrived after its bucket was reduced in this step. Run one backward "
-                "per optimizer step, or wrap all but the last micro-batch's backward in no_sync()."
+                f"a gradient for {name!r} arrived after its bucket was reduced in the same backward (a "
+                "reentrant activation checkpoint, or a second backward inside one); use non-reentrant "
+                "checkpointing (use_reentrant=False)."
             )
         if param not in self._seen:
             self._seen.add(param)
             flag = self._split_flag.get(param)
             if flag is not None:
                 flag.fill_(1.0)
-        self._grad_views[param].add_(param.grad)
-        param.grad = None
+        self._grad_views[param].add_(grad)
         if not self._micro_batch_is_last:
             return
         bucket.ready.add(id(param))
@@ -558,8 +710,10 @@ class LayerwiseDataParallel(nn.Module):
         Buckets never completed during backward (unused parameters, no overlap)
         are dispatched first, in order. Afterwards each owned parameter's
         ``.grad`` (and ``.main_grad``, the buffer-dtype view) is a view of the
-        reduced shard; every other parameter's ``.grad`` is ``None``.
+        reduced shard, plus any gradient carried from before (Note [gradient
+        lifecycle]); every other parameter's ``.grad`` is ``None``.
         """
+        self.prepare_backward()  # a reducing backward that gave this rank no gradient still takes part
         self.finish_param_sync()
         self._dispatch_ready_reduces(force=True)
         replica = self.process_groups.replica
@@ -582,21 +736,99 @@ class LayerwiseDataParallel(nn.Module):
                 bucket.reduce = None
                 self._trace("ar_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
+        for own, carried in self._carry:
+            own.add_(carried)
+        self._carry = []
         used = self._split_parameters_used()
         for param in self._param_names:
             param.grad = None
-            if param in self._owned:
-                main_grad = self._grad_views[param]
-                if param not in self._seen and not main_grad.any():
-                    # Unused on every rank: no gradient, as without the wrapper (an optimizer
-                    # must not decay or add momentum to a parameter the loss never touched).
+        for unit in self._units:
+            param = unit.param
+            if param in self._shards:
+                if not used[param]:
                     continue
-                _hand_out(param, main_grad)
-        for param, shard in self._shards.items():
-            shard.grad = None
-            if used[param]:
-                _hand_out(shard, self._shard_grad_views[param])
+            elif param not in self._seen and param not in self._carried and not unit.slot.any():
+                # Unused on every rank: no gradient, as without the wrapper (an optimizer
+                # must not decay or add momentum to a parameter the loss never touched).
+                continue
+            self._hand_out(unit)
         self._grads_handed_out = True
+
+    def _hand_out(self, unit: GradUnit) -> None:
+        """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;
+        its master (if any) the same gradient in float32."""
+        slot, tensor = unit.slot, unit.tensor
+        tensor.main_grad = slot
+        tensor.grad = slot if slot.dtype == tensor.dtype else slot.to(tensor.dtype)
+        if tensor is unit.param:
+            self._handed[tensor] = tensor.grad
+        self._handed_ids.update((id(slot), id(tensor.grad)))
+        if unit.master is not None:
+            unit.master.grad = slot if slot.dtype == torch.float32 else slot.float()
+            self._handed_ids.add(id(unit.master.grad))
+
+    # --- the optimizer's side of each unit ----------------------------------------------------------
+    def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
+        """Declares ``master`` the tensor the optimizer steps for ``tensor`` (an owned parameter or piece):
+        it gets the reduced gradient in float32 at each sync (``bf16-true``, :class:`MasterWeights`)."""
+        unit = self._unit_of[tensor]
+        unit.master = master
+        self._unit_of[master] = unit
+        _LIVE[id(master)] = weakref.ref(self)
+        self._registered.append(master)
+        self._refresh_stepped_apart()
+
+    def _refresh_stepped_apart(self) -> None:
+        self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
+
+    def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
+        return self._grads_handed_out and id(tensor) in self._handed_ids
+
+    def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
+        """``param.grad`` was cleared: clear the gradient of the tensor the optimizer holds in its place (a piece,
+        a master), as ``optimizer.zero_grad`` would (Note [gradient lifecycle])."""
+        unit = self._stepped_apart.get(param)
+        if unit is None:
+            return
+        stepped = unit.stepped
+        if stepped.grad is None:
+            return
+        if set_to_none:
+            stepped.grad = None
+        else:
+            stepped.grad.requires_grad_(False)
+            stepped.grad.zero_()
+
+    def is_expert(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is an expert parameter reduced over its expert data-parallel group."""
+        bucket = self._bucket_of.get(param)
+        return bucket is not None and bucket.expert
+
+    def unit_of(self, tensor: torch.Tensor) -> GradUnit | None:
+        """What this rank steps of ``tensor`` (a parameter, a piece or a master), or ``None`` if nothing."""
+        return self._unit_of.get(tensor)
+
+    def owns_tensor(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one this wrapper trains: a parameter in its layout, a piece or a master."""
+        return tensor in self._param_names or tensor in self._unit_of
+
+    @property
+    def grads_synced(self) -> bool:
+        """True from :meth:`finish_grad_sync` until the next backward restarts accumulation."""
+        return self._grads_handed_out
+
+    def buckets_of(self, tensors) -> list[Bucket]:
+        """The buckets holding any of ``tensors`` (parameters, pieces or masters), in all-gather order."""
+        wanted = set()
+        for t in tensors:
+            bucket = self._bucket_of.get(t)
+            if bucket is None:
+                unit = self._unit_of.get(t)
+                bucket = unit.bucket if unit is not None else None
+            if bucket is not None:
+                wanted.add(id(bucket))
+        return [b for b in self._gather_order if id(b) in wanted]
 
     def _split_parameters_used(self) -> dict[nn.Parameter, bool]:
         """Whether each split parameter got a gradient on any rank this step (one small all-reduce).
@@ -644,19 +876,24 @@ class LayerwiseDataParallel(nn.Module):
             self._add_wait("norm_all_reduce", t0)
         return total
 
-    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None
+                  ) -> torch.Tensor:
         """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element.
 
         Each owner group holds the dense gradient once; each expert element lies in the shard
         of one rank of its expert data-parallel group, and those groups cover every rank.
+        ``units`` (each rank its own, :meth:`unit_of`): sum ``fn`` of those units' gradients
+        instead of whole shards, i.e. the part of the gradient a set of parameters holds.
         Collective (one all-reduce, two with expert parallelism).
         """
         device = self._device()
         dense = torch.zeros((), dtype=torch.float32, device=device)
         expert = torch.zeros((), dtype=torch.float32, device=device)
-        for bucket in self._buckets:
-            value = fn(self._own_shard(bucket)).to(device)
-            if bucket.expert:
+        parts = ((self._own_shard(b), b.expert) for b in self._buckets) if units is None \
+            else ((u.slot, u.bucket.expert) for u in units)
+        for tensor, is_expert in parts:
+            value = fn(tensor).to(device)
+            if is_expert:
                 expert += value
             else:
                 dense += value
@@ -667,20 +904,23 @@ class LayerwiseDataParallel(nn.Module):
         return dense
 
     # --- parameters ----------------------------------------------------------------
-    def start_param_sync(self, force_sync: bool = False) -> None:
+    def start_param_sync(self, force_sync: bool = False, tensors=None) -> None:
         """Starts all-gathering every bucket from each rank's shard of the param buffer.
 
         With ``overlap_param_gather`` the first ``prefetch_depth`` buckets are
         dispatched now and the rest by forward pre-hooks (and by reads, Note
         [stale reads]); with ``force_sync`` (or without overlap) everything is
-        gathered before returning.
+        gathered before returning. ``tensors`` (the parameters, pieces or masters
+        an optimizer just stepped; the same set on every rank) limits the gather to
+        the buckets holding them: the others did not change.
         """
         self.finish_param_sync()  # a previous gather must land before a new one reads the shards
         if self.process_groups.dp is None:
             return
         overlap = self.overlap_param_gather and not force_sync
         strict = overlap and self.param_read_guard == "strict"
-        for bucket in self._buckets:
+        queue = self._gather_order if tensors is None else self.buckets_of(tensors)
+        for bucket in queue:
             bucket.state = BucketState.GATHERING
             bucket.gather = None
             if overlap and self._guarded:
@@ -689,6 +929,7 @@ class LayerwiseDataParallel(nn.Module):
                         read_guard.mark_pending(p)
             if strict:
                 self._poison_others_shards(bucket)
+        self._gather_queue = queue
         self._next_gather = 0
         if not overlap:
             self.finish_param_sync()
@@ -722,15 +963,15 @@ class LayerwiseDataParallel(nn.Module):
 
     def finish_param_sync(self) -> None:
         """Dispatches and waits for every outstanding all-gather (before eval, checkpoints, a step)."""
-        while self._in_flight or self._next_gather < len(self._gather_order):
+        while self._in_flight or self._next_gather < len(self._gather_queue):
             if self._in_flight and (len(self._in_flight) >= self.prefetch_depth
-                                    or self._next_gather >= len(self._gather_order)):
+                                    or self._next_gather >= len(self._gather_queue)):
                 self._wait_oldest_gather()
             else:
                 self._dispatch_next_gather()
 
     def _dispatch_next_gather(self) -> None:
-        bucket = self._gather_order[self._next_gather]
+        bucket = self._gather_queue[self._next_gather]
         self._next_gather += 1
         bucket.gather = collectives.all_gather_bucket(bucket.param_data, bucket.gather_group,
                                                       async_op=True)
@@ -747,7 +988,7 @@ class LayerwiseDataParallel(nn.Module):
         self._trace("ag_wait", bucket)
 
     def _top_up_gathers(self) -> None:
-        while len(self._in_flight) < self.prefetch_depth and self._next_gather < len(self._gather_order):
+        while len(self._in_flight) < self.prefetch_depth and self._next_gather < len(self._gather_queue):
             self._dispatch_next_gather()
 
     def _ensure_gathered(self, bucket: Bucket) -> None:
@@ -773,7 +1014,7 @@ class LayerwiseDataParallel(nn.Module):
             buckets.sort(key=self._gather_order.index)
 
             def hook(_module, _args, buckets=buckets):
-                if self._next_gather < len(self._gather_order) or self._in_flight:
+                if self._next_gather < len(self._gather_queue) or self._in_flight:
                     for b in buckets:
                         self._ensure_gathered(b)
 
@@ -888,7 +1129,7 @@ class LayerwiseDataParallel(nn.Module):
             self._wait_pending_reduces()  # no collective may still read or write the buffers freed below
         else:
             self._in_flight = []
-            self._next_gather = len(self._gather_order)
+            self._gather_queue, self._next_gather = [], 0
             for bucket in self._buckets:
                 bucket.gather = bucket.reduce = None
         for h in self._hook_handles:
@@ -908,13 +1149,31 @@ class LayerwiseDataParallel(nn.Module):
         self._buckets = []
         self._grad_views = {}
         self._shard_grad_views = {}
+        for t in self._registered:
+            if wrapper_of(t) is self:
+                del _LIVE[id(t)]
+        self._registered = []
+        self._units, self._unit_of, self._stepped_apart, self._handed, self._carry = [], {}, {}, {}, []
+        self._grads_handed_out = False
         return self.module
 
 
-def _hand_out(param: nn.Parameter, main_grad: torch.Tensor) -> None:
-    """Gives ``param`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype."""
-    param.main_grad = main_grad
-    param.grad = main_grad if main_grad.dtype == param.dtype else main_grad.to(param.dtype)
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (one a view of the other, or equal)."""
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+                      and a.stride() == b.stride())
+
+
+def reject_sparse_gradients(module: nn.Module) -> None:
+    """Raises naming the first embedding that would produce sparse gradients (they cannot be reduce-scattered
+    into dense buckets); before any collective, on every rank alike."""
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Embedding, nn.EmbeddingBag)) and child.sparse and child.weight.requires_grad:
+            where = f"{name}.weight" if name else "weight"
+            raise ValueError(
+                f"{where!r} belongs to {type(child).__name__}(sparse=True), whose gradients are sparse; "
+                "strategy='layerwise' reduces gradients in dense buckets. Build it with sparse=False (the "
+                "default; torch.optim.SparseAdam then needs replacing by Adam or AdamW), or freeze it.")
 
 
 class CollectiveError(RuntimeError):

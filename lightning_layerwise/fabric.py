@@ -59,8 +59,8 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
     Takes the arguments of :class:`~lightning_layerwise.LayerwiseStrategy`, by keyword and with
     the same defaults (``bucket_size``, ``overlap_param_gather``, ``checkpoint_format``…; see
     there and docs/usage.md), with Fabric's ``precision`` plugin in place of the Trainer's
-    ``precision_plugin``. One module is trained, with one optimizer (several param groups
-    are fine); modules without trainable parameters (a frozen teacher) may be set up
+    ``precision_plugin``. One module is trained, with any number of optimizers (each
+    stepping its own parameters); modules without trainable parameters (a frozen teacher) may be set up
     beside it and are only synchronized from rank 0. With ``expert_parallel_size=E`` the
     model builds the experts of :attr:`expert_parallel_rank` (known after
     ``fabric.launch()``) and exchanges tokens over ``process_groups.expert_parallel``
@@ -117,14 +117,10 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"strategy='layerwise' steps one optimizer per module, but fabric.setup got {len(optimizers)}. Put "
-                "all parameters in one optimizer with several param groups (lightning_layerwise.Muon already "
-                "combines Muon and AdamW groups).")
         self._check_new_trained_module(module)
-        self._check_optimizer_parameters(optimizers[0], module)
-        self._optimizers = [optimizers[0]]
+        for optimizer in optimizers:
+            self._check_optimizer_parameters(optimizer, module)
+        self._optimizers = list(optimizers)
         return self._setup_wrapper(module, use_elementwise=True), optimizers, scheduler
 
     @override
@@ -148,12 +144,10 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
             raise RuntimeError("strategy='layerwise': set up the module first, fabric.setup_module(model), then "
                                "fabric.setup_optimizers(optimizer); or both at once with fabric.setup(model, "
                                "optimizer).")
-        if self._optimizers:
-            raise ValueError("strategy='layerwise' steps one optimizer per module, and one is set up already. Put all "
-                             "parameters in one optimizer with several param groups (lightning_layerwise.Muon "
-                             "already combines Muon and AdamW groups).")
+        if optimizer in self._optimizers:
+            raise ValueError("strategy='layerwise': this optimizer is set up already; set it up once.")
         self._check_optimizer_parameters(optimizer, self._module)
-        self._optimizers = [optimizer]
+        self._optimizers.append(optimizer)
         self._wrapper.use_shards_in(optimizer)
         self._after_wrap()
         return optimizer
@@ -209,6 +203,7 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
                 "only the parameters it owns and all-gathers them after the step, so the strategy must see the "
                 "optimizer: fabric.setup(model, optimizer), or fabric.setup_optimizers(optimizer) after "
                 "fabric.setup_module(model).")
+        self._before_backward()
         super().backward(tensor, module, *args, **kwargs)
         self._after_backward()
 
@@ -218,12 +213,13 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
         if wrapper is None:
             return super().optimizer_step(optimizer, **kwargs)
         self._check_stepping(optimizer, "optimizer.step()")
+        self._before_optimizer_step("optimizer.step()")
         if (self.skip_nonfinite_steps and getattr(self.precision, "scaler", None) is None
                 and not wrapper.grads_are_finite()):
             self.note_skipped_step(self._steps)
             return None
         output = self.precision.optimizer_step(optimizer, **kwargs)
-        self._after_optimizer_step()
+        self._after_optimizer_step(optimizer)
         return output
 
     def _check_stepping(self, optimizer: Any, what: str) -> None:
@@ -243,7 +239,8 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_stepping(optimizer, "fabric.clip_gradients")
         self.precision.unscale_gradients(optimizer)
-        return clip_grad_norm_(self._wrapper, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite)
+        return clip_grad_norm_(self._wrapper, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                               parameters=list(self.precision.main_params(optimizer)))
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
@@ -251,22 +248,22 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
             return super().clip_gradients_value(module, optimizer, clip_val)
         self._check_stepping(optimizer, "fabric.clip_gradients")
         self.precision.unscale_gradients(optimizer)
-        clip_grad_value_(self._wrapper, clip_val)
+        clip_grad_value_(self._wrapper, clip_val, parameters=list(self.precision.main_params(optimizer)))
         return None
 
     # --- checkpoints -------------------------------------------------------------------
-    def _roles(self, state: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
-        """The keys of ``state`` holding the trained module and its optimizer (``None`` if absent)."""
-        module_key = optimizer_key = None
+    def _roles(self, state: dict[str, Any]) -> tuple[Optional[str], list[str]]:
+        """The key of ``state`` holding the trained module (``None`` if absent) and those holding its optimizers."""
+        module_key, optimizer_keys = None, []
         for key, obj in state.items():
             if self._module is not None and (obj is self._wrapper or obj is self._module):
                 module_key = key
-            elif self._optimizers and obj is self._optimizers[0]:
-                optimizer_key = key
+            elif any(obj is o for o in self._optimizers):
+                optimizer_keys.append(key)
             elif isinstance(obj, Optimizer) and self._wrapper is not None:
                 raise ValueError(f"state[{key!r}] is an optimizer that was not set up with the trained module; only "
-                                 "the optimizer given to fabric.setup can be saved or loaded.")
-        return module_key, optimizer_key
+                                 "the optimizers given to fabric.setup can be saved or loaded.")
+        return module_key, optimizer_keys
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
@@ -277,7 +274,7 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self._optimizers and optimizer is self._optimizers[0]:
+        if any(optimizer is o for o in self._optimizers):
             return self._named_optimizer_state(optimizer)
         return super().get_optimizer_state(optimizer)
 
@@ -297,11 +294,11 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
         self._check_full_format_with_experts()
         target = self.broadcast(str(path))
-        module_key, optimizer_key = self._roles(state)
+        module_key, optimizer_keys = self._roles(state)
         filter = filter or {}
         converted: dict[str, Any] = {}
         for key, obj in state.items():
-            if key == optimizer_key:
+            if key in optimizer_keys:
                 value = self._named_optimizer_state(obj)  # "full": gathered to rank 0 (collective)
             elif isinstance(obj, nn.Module):
                 value = self.get_module_state_dict(obj)
@@ -320,8 +317,8 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
                              "(e.g. {'model': model, 'optimizer': optimizer, ...}): its parameters are what each "
                              "rank writes.")
         model_state = converted.pop(module_key)
-        optimizer_states = [converted.pop(optimizer_key)] if optimizer_key is not None else []
-        converted["layerwise"] = {"fabric": {"module": module_key, "optimizer": optimizer_key}}
+        optimizer_states = [converted.pop(key) for key in optimizer_keys]
+        converted["layerwise"] = {"fabric": {"module": module_key, "optimizers": optimizer_keys}}
         self._save_sharded(Path(target), model_state, optimizer_states, converted)
 
     @override
@@ -339,7 +336,7 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
             raw = self._read_file(path, weights_only)
             if isinstance(state, nn.Module):
                 self.load_module_state_dict(state, raw, strict=strict)
-            elif self._optimizers and state is self._optimizers[0]:
+            elif any(state is o for o in self._optimizers):
                 self._load_optimizer_states([state], [raw])
             else:
                 state.load_state_dict(raw)
@@ -350,17 +347,21 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
                                  "fabric.load(path, {'model': model, 'optimizer': optimizer}); each rank reads only "
                                  "what it owns.")
             return self._read_file(path, weights_only)
-        module_key, optimizer_key = self._roles(state)
+        module_key, optimizer_keys = self._roles(state)
+        optimizers = [state[key] for key in optimizer_keys]
         if sharded:
             if module_key is None:
                 raise ValueError("fabric.load of a sharded checkpoint needs the trained module in the state "
                                  "(e.g. {'model': model, 'optimizer': optimizer, ...}).")
             rest, optimizer_states = self._read_sharded(
-                path, 1 if optimizer_key is not None else 0, strict, weights_only,
+                path, len(optimizer_keys), strict, weights_only,
                 "Pass strict=False to fabric.load to load the keys that match.")
-            rest.pop("layerwise", None)
+            saved = rest.pop("layerwise", {}).get("fabric", {})
+            saved_keys = saved.get("optimizers", [saved["optimizer"]] if saved.get("optimizer") else [])
             if optimizer_states:
-                self._load_optimizer_states(self._optimizers, optimizer_states)
+                if sorted(saved_keys) == sorted(optimizer_keys):  # by name; else in the order they were saved
+                    optimizer_states = [optimizer_states[saved_keys.index(k)] for k in optimizer_keys]
+                self._load_optimizer_states(optimizers, optimizer_states)
         else:
             if module_key is not None:
                 self._check_full_load_with_experts()
@@ -372,15 +373,20 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
                     raise ckpt.CheckpointError(f"{str(path)!r} holds no module state under {module_key!r} (nor a "
                                                "Trainer checkpoint's 'state_dict').")
                 self.load_module_state_dict(state[module_key], entry, strict=strict)
-            if optimizer_key is not None:
-                saved = rest.pop(optimizer_key, None)
-                if saved is None and len(rest.get("optimizer_states", ())) == 1:
-                    saved = rest.pop("optimizer_states")[0]
-                if saved is None:
-                    raise ckpt.CheckpointError(f"{str(path)!r} holds no optimizer state under {optimizer_key!r} (nor "
-                                               "a Trainer checkpoint's 'optimizer_states').")
-                self._load_optimizer_states(self._optimizers, [saved])
-        others = [k for k in state if k not in (module_key, optimizer_key)]
+            if optimizer_keys:
+                trainer_states = rest.pop("optimizer_states", None) if not any(k in rest for k in optimizer_keys) \
+                    else None
+                if trainer_states is not None and len(trainer_states) == len(optimizer_keys):
+                    saved_states = list(trainer_states)  # a Trainer checkpoint: the optimizers in order
+                else:
+                    missing = [k for k in optimizer_keys if k not in rest]
+                    if missing:
+                        raise ckpt.CheckpointError(f"{str(path)!r} holds no optimizer state under {missing[0]!r} "
+                                                   "(nor a Trainer checkpoint's 'optimizer_states' for every "
+                                                   "optimizer).")
+                    saved_states = [rest.pop(k) for k in optimizer_keys]
+                self._load_optimizer_states(optimizers, saved_states)
+        others = [k for k in state if k != module_key and k not in optimizer_keys]
         _validate_keys_for_strict_loading(others, rest.keys(), strict=strict)
         for key in others:
             if key not in rest:

@@ -50,7 +50,14 @@ class _ShardedClipping:
         return wrapper
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_norm_(self._wrapper(), clip_val)
+        # The optimizer's parameters only, as Lightning clips them (several optimizers: each its own).
+        clip_grad_norm_(self._wrapper(), clip_val, parameters=list(self.main_params(optimizer)))
+
+    def _after_closure(self, model, optimizer) -> None:
+        strategy = self._strategy_ref() if self._strategy_ref is not None else None
+        if strategy is not None:
+            strategy._before_optimizer_step("optimizer.step()")
+        super()._after_closure(model, optimizer)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
         """With ``skip_nonfinite_steps``: run the closure, then step only if every rank's gradients are finite.
@@ -72,7 +79,7 @@ class _ShardedClipping:
         return optimizer.step(**kwargs)
 
     def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_value_(self._wrapper(), clip_val)
+        clip_grad_value_(self._wrapper(), clip_val, parameters=list(self.main_params(optimizer)))
 
 
 class LayerwisePrecision(_ShardedClipping, Precision):
@@ -147,38 +154,33 @@ class MasterWeights:
     the optimizer see the same tensors.
     """
 
-    def __init__(self, wrapper, optimizer: torch.optim.Optimizer,
-                 rename: Callable[[str], str] = lambda name: name) -> None:
+    def __init__(self, wrapper, rename: Callable[[str], str] = lambda name: name) -> None:
         self.wrapper = wrapper
         self.rename = rename
         """Parameter name -> checkpoint name (identity but for experts)."""
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        swap = {}
+        self._swap: dict[torch.Tensor, torch.nn.Parameter] = {}
+        self.names: dict[torch.Tensor, str] = {}
         for name, p in wrapper.named_owned_parameters():
             if p.dtype in (torch.bfloat16, torch.float16):
-                master = torch.nn.Parameter(p.detach().float().clone())
-                swap[p] = master
+                master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
+                self._swap[p] = master
                 self.pairs.append((p, master))
-        self.names = {master: name for name, p in wrapper.named_owned_parameters()
-                      for master in [swap.get(p)] if master is not None}
+                self.names[master] = name
+                wrapper.set_master(p, master)  # the wrapper hands it the float32 gradient at each sync
+
+    def use_in(self, optimizer: torch.optim.Optimizer) -> None:
+        """Puts the masters in ``optimizer`` in place of their parameters; state created before follows."""
+        swap = self._swap
         for group in optimizer.param_groups:
             group["params"] = [swap.get(p, p) for p in group["params"]]
         for p, master in swap.items():
-            if p in optimizer.state:  # state created before the swap follows its parameter
+            if p in optimizer.state:
                 optimizer.state[master] = optimizer.state.pop(p)
 
     @property
     def numel(self) -> int:
         return sum(m.numel() for _, m in self.pairs)
-
-    def attach_grads(self) -> None:
-        """Gives every master the reduced gradient of its parameter (None if it has none)."""
-        for p, master in self.pairs:
-            if p.grad is None:
-                master.grad = None
-            else:
-                main_grad = p.main_grad
-                master.grad = main_grad if main_grad.dtype == torch.float32 else main_grad.float()
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -196,9 +198,10 @@ class MasterWeights:
         """The name a checkpoint keys ``master`` by (a global expert name, Note [expert checkpoints])."""
         return self.rename(self.names[master])
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's masters by checkpoint name (on CPU)."""
-        return {self.checkpoint_name(m): m.detach().cpu() for _, m in self.pairs}
+    def state_dict(self, optimizer: Optional[torch.optim.Optimizer] = None) -> dict[str, torch.Tensor]:
+        """This rank's masters by checkpoint name (on CPU); those ``optimizer`` holds, if given."""
+        held = None if optimizer is None else {id(t) for g in optimizer.param_groups for t in g["params"]}
+        return {self.checkpoint_name(m): m.detach().cpu() for _, m in self.pairs if held is None or id(m) in held}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:

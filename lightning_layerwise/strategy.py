@@ -63,7 +63,7 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
     """Data-parallel training with a layer-wise distributed optimizer.
 
     Gradients are reduce-scattered into shard-aligned buckets, each rank steps
-    only the parameters it owns (any single torch optimizer, e.g.
+    only the parameters it owns (any torch optimizers, e.g.
     :class:`lightning_layerwise.Muon`), and parameters are all-gathered bucket by
     bucket behind the next forward.
 
@@ -244,7 +244,6 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._check_optimizers()
             self._after_wrap()
             self._sync_after_step = self._needs_sync_after_step(trainer)
 
@@ -276,14 +275,6 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
                            "parameters. Use overlap_param_gather='auto' unless you compiled after setup.")
         return False
 
-    def _check_optimizers(self) -> None:
-        if len(self.optimizers) > 1:
-            raise ValueError(
-                f"strategy='layerwise' steps one optimizer per training step, but configure_optimizers returned "
-                f"{len(self.optimizers)}. Put all parameters in one optimizer with several param groups "
-                "(lightning_layerwise.Muon already combines Muon and AdamW groups)."
-            )
-
     @override
     def _register_ddp_hooks(self) -> None:
         """DDP communication hooks do not apply: communication is the wrapper's own."""
@@ -299,6 +290,10 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
             yield None
 
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        self._before_backward()
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         self._after_backward()
 
@@ -311,7 +306,7 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step()
+        self._after_optimizer_step(optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
         return output
 
     @override

@@ -441,12 +441,32 @@ def test_bad_arguments_rejected():
         LayerwiseDataParallel(nn.ReLU(), process_groups=ProcessGroups.single())
 
 
-def test_backward_twice_without_forward_is_an_error():
-    model = nn.Linear(3, 3)
+def test_backward_passes_accumulate_until_the_gradients_are_cleared():
+    """Every backward adds to the gradients, as under ddp, until zero_grad (Note [gradient lifecycle]).
+
+    One process, so the reduction is the identity and the wrapper must equal plain autograd exactly.
+    """
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 3), nn.Linear(3, 3)
+    ref.load_state_dict(model.state_dict())
     ddp = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
-    x = torch.randn(2, 3)
-    out = ddp(x).sum()
-    out.backward(retain_graph=True)
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    for x in xs[:2]:  # two reducing backward passes, no zero_grad in between
+        ddp.prepare_backward()
+        ddp(x).pow(2).sum().backward()
+        ddp.finish_grad_sync()
+        ref(x).pow(2).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)
+    model.zero_grad()  # cleared: the next backward starts from zero
+    ref.zero_grad()
+    out = ddp(xs[2]).sum()
+    out.backward(retain_graph=True)  # a bare backward after clearing is fine
     ddp.finish_grad_sync()
-    with pytest.raises(RuntimeError, match="zero_grad_buffer"):
+    ref(xs[2]).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)
+    # A bare backward while the gradients are still held: autograd adds into the handed-out gradient
+    # before the wrapper can set it aside, which is refused by name.
+    with pytest.raises(RuntimeError, match="still held the gradient of the last sync.*prepare_backward"):
         out.backward()

@@ -340,8 +340,6 @@ def _misuse_worker(rank, world, case):
             opt = torch.optim.AdamW(model.parameters())
             fabric.backward(gpt_loss(model, tokens))
             opt.step()
-        elif case == "two optimizers":
-            fabric.setup(model, torch.optim.AdamW(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1))
         elif case == "no_backward_sync on a raw module":
             with fabric.no_backward_sync(model):
                 pass
@@ -376,7 +374,6 @@ def _misuse_worker(rank, world, case):
 MISUSES = {
     "model without optimizer": r"RuntimeError: strategy='layerwise': backward on a module that was set up without "
                                r"an optimizer\..*fabric\.setup\(model, optimizer\)",
-    "two optimizers": r"ValueError: strategy='layerwise' steps one optimizer per module, but fabric\.setup got 2\.",
     "no_backward_sync on a raw module": r"TypeError: You need to set up the model first",
     "no_backward_sync on a frozen module": r"TypeError: fabric\.no_backward_sync\(model\) under strategy='layerwise' "
                                            r"needs the model returned by fabric\.setup\(model, optimizer\); got a GPT",

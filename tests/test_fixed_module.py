@@ -44,6 +44,7 @@ def test_a_change_after_wrapping_is_a_clear_error(change):
 def test_eval_forwards_and_unchanged_modules_pass():
     model, wrapper = wrapped()
     for _ in range(2):
+        wrapper.zero_grad()
         wrapper(torch.randn(3, 4)).sum().backward()
         wrapper.finish_grad_sync()
     with torch.no_grad():

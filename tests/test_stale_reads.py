@@ -222,6 +222,7 @@ def _wrapper_worker(rank, world, cases, guard, bypass_guard=False):
             try:
                 for batch in make_batches(case, world, STEPS):
                     inputs, target = local_part(batch, rank, world)
+                    opt.zero_grad()
                     loss, reg = loss_of(case, wrapper, inputs, target, penalty)
                     loss.backward()
                     wrapper.finish_grad_sync()

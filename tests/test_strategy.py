@@ -243,30 +243,6 @@ def test_strategy_names_are_registered():
         assert isinstance(strategy, llw.LayerwiseStrategy) and strategy._start_method == method
 
 
-def _multi_opt_worker(rank, world):
-    class TwoOptimizers(Regressor):
-        def configure_optimizers(self):
-            return [torch.optim.SGD(self.emb.parameters(), lr=0.1), torch.optim.SGD(self.head.parameters(), lr=0.1)]
-
-        def training_step(self, batch, batch_idx):
-            return None
-
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy="layerwise", max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    m = TwoOptimizers()
-    m.automatic_optimization = False
-    try:
-        trainer.fit(m, loaders()[0])
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_more_than_one_optimizer_is_a_clear_error():
-    for message in run_distributed(_multi_opt_worker, WORLD):
-        assert message and "one optimizer" in message
-
-
 def _bf16_true_worker(rank, world, steps):
     model = Regressor(optimizer="adamw")
     train, _ = loaders()

@@ -1,0 +1,290 @@
+"""torch's and Lightning's gradient utilities, global over sharded gradients.
+
+Note [gradient utilities]
+    Under the wrapper a rank holds the reduced gradient only of what it steps, so
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the most
+    common clipping line in plain PyTorch, would compute a different norm on every
+    rank (the norm of its own shards) and clip each rank's gradients by a different
+    factor. Lightning's ``grad_norm`` logging utility would log this rank's part.
+    ``ddp`` users expect both to just work, so while a wrapper is alive (from its
+    creation, :func:`install`) these functions see through the sharding:
+
+    * ``clip_grad_norm_`` over parameters the wrapper trains computes the norm of
+      their *full* gradient (one all-reduce, Note [norm from shards] in ``clip.py``)
+      and scales every rank's owned part by the same coefficient: the one-process
+      result. It is collective, as everything in a data-parallel step is: every rank
+      calls it, as every ``ddp`` rank does.
+    * ``clip_grads_with_norm_`` and ``clip_grad_value_`` act on the owned gradients,
+      masters and gradient copies included (element-wise given the norm, so local).
+    * Lightning's ``grad_norm(module, norm_type)`` returns the norm of each
+      parameter's full gradient and their total, with the keys ``ddp`` gives: one
+      all-reduce of one number per parameter. Collective too.
+    * ``get_total_norm(tensors)`` takes gradients, not parameters: a rank that owns
+      none of them is handed an empty list and cannot know it should take part in a
+      collective. Given a gradient the wrapper handed out it raises, naming
+      ``clip_grad_norm_(params, float("inf"))`` (which returns the global norm and
+      scales by 1) and :func:`lightning_layerwise.grad_norm`.
+    * ``nn.Module.zero_grad`` also clears what the optimizer holds for the module's
+      parameters where that is not the parameter itself (a piece of a split
+      parameter, a float32 master), so ``model.zero_grad()`` clears gradients as
+      ``optimizer.zero_grad()`` does (Note [gradient lifecycle] in
+      ``data_parallel.py``).
+
+    Anything else passes straight to the original function: a call that involves no
+    live wrapper's tensors costs one dictionary test. Names bound before the package
+    was imported (``from torch.nn.utils import clip_grad_norm_``) are covered as
+    well: torch's functions are replaced behind their ``no_grad`` wrapper (the
+    closure cell holding the implementation), Lightning's ``grad_norm`` by its code
+    object, and ``zero_grad`` on the ``nn.Module`` class.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import clip, collectives
+from .data_parallel import _LIVE, LayerwiseDataParallel, wrapper_of
+
+_ORIGINAL: dict[str, Callable] = {}
+_INSTALLED = False
+
+
+def install() -> None:
+    """Puts the sharding-aware versions in place (idempotent); see Note [gradient utilities]."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from torch.nn.utils import clip_grad as torch_clip
+
+    for name, replacement in (("clip_grad_norm_", _clip_grad_norm_), ("clip_grad_value_", _clip_grad_value_),
+                              ("_get_total_norm", _get_total_norm), ("_clip_grads_with_norm_", _clip_grads_with_norm_)):
+        function = getattr(torch_clip, name, None)
+        if function is None:
+            continue
+        cell = _implementation_cell(function)
+        if cell is not None:
+            _ORIGINAL[name] = cell.cell_contents
+            cell.cell_contents = functools.wraps(cell.cell_contents)(replacement)
+        else:  # another release's layout: replace the module attribute (names bound earlier keep the original)
+            _ORIGINAL[name] = function
+            patched = functools.wraps(function)(_no_grad(replacement))
+            setattr(torch_clip, name, patched)
+            public = {"_get_total_norm": "get_total_norm", "_clip_grads_with_norm_": "clip_grads_with_norm_"}
+            setattr(torch.nn.utils, public.get(name, name), patched)
+    _ORIGINAL["zero_grad"] = nn.Module.zero_grad
+    nn.Module.zero_grad = functools.wraps(nn.Module.zero_grad)(_module_zero_grad)
+    try:
+        from lightning.pytorch.utilities import grads as lightning_grads
+    except ImportError:  # the engine does not need Lightning
+        lightning_grads = None
+    if lightning_grads is not None:
+        function = lightning_grads.grad_norm
+        _ORIGINAL["grad_norm"] = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                                    function.__defaults__, function.__closure__)
+        function.__code__ = _lightning_grad_norm_entry.__code__
+    _INSTALLED = True
+
+
+def _implementation_cell(function: Callable):
+    """The closure cell of torch's ``_no_grad`` wrapper that holds the implementation, if it has that form."""
+    code = getattr(function, "__code__", None)
+    closure = getattr(function, "__closure__", None)
+    if code is None or closure is None or "func" not in code.co_freevars:
+        return None
+    return closure[code.co_freevars.index("func")]
+
+
+def _no_grad(function: Callable) -> Callable:
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    return run
+
+
+def _lightning_grad_norm_entry(module, norm_type, group_separator="/"):
+    # Runs as the code of Lightning's grad_norm: in its module's globals, hence the import here.
+    from lightning_layerwise.grad_utils import lightning_grad_norm
+
+    return lightning_grad_norm(module, norm_type, group_separator)
+
+
+# --- which wrapper ---------------------------------------------------------------------------------------------
+
+def _synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
+    """The live wrapper among ``tensors`` whose gradients are reduced now, or ``None`` (then the original runs)."""
+    found = None
+    for t in tensors:
+        wrapper = wrapper_of(t)
+        if wrapper is None or wrapper is found:
+            continue
+        if found is not None:
+            raise ValueError("these parameters are trained by two different layer-wise wrappers at once; clip the "
+                             "parameters of each wrapper separately.")
+        found = wrapper
+    return found if found is not None and found.grads_synced else None
+
+
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+# --- torch.nn.utils --------------------------------------------------------------------------------------------
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    original = _ORIGINAL["clip_grad_norm_"]
+    if not _LIVE:
+        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    params = _as_list(parameters)
+    wrapper = _synced_wrapper(params)
+    if wrapper is None:
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    total = clip.grad_norm(wrapper, norm_type, parameters=params)
+    foreign_grads = [p.grad for p in foreign if p.grad is not None]
+    if foreign_grads:  # tensors the wrapper does not train: this rank's own values, as torch computes them
+        local = _ORIGINAL["_get_total_norm"](foreign_grads, norm_type, False, foreach).to(total.device)
+        p = float(norm_type)
+        total = torch.maximum(total, local) if math.isinf(p) else (total.pow(p) + local.pow(p)).pow(1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`")
+    _clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    original = _ORIGINAL["_clip_grads_with_norm_"]
+    if not _LIVE:
+        return original(parameters, max_norm, total_norm, foreach)
+    params = _as_list(parameters)
+    wrapper = _synced_wrapper(params)
+    if wrapper is None:
+        return original(params, max_norm, total_norm, foreach)
+    clip.scale_grads_by_norm_(wrapper, max_norm, total_norm, parameters=params)
+    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    if foreign:
+        original(foreign, max_norm, total_norm, foreach)
+    return None
+
+
+def _clip_grad_value_(parameters, clip_value, foreach=None):
+    original = _ORIGINAL["clip_grad_value_"]
+    if not _LIVE:
+        return original(parameters, clip_value, foreach)
+    params = _as_list(parameters)
+    wrapper = _synced_wrapper(params)
+    if wrapper is None:
+        return original(params, clip_value, foreach)
+    clip.clip_grad_value_(wrapper, clip_value, parameters=params)
+    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    if foreign:
+        original(foreign, clip_value, foreach)
+    return None
+
+
+def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    original = _ORIGINAL["_get_total_norm"]
+    if _LIVE:
+        listed = _as_list(tensors)
+        if any(_handed_out_by_live_wrapper(t) for t in listed):
+            raise ValueError(
+                "torch.nn.utils.get_total_norm was given gradients that strategy='layerwise' shards across ranks: "
+                "it would return the norm of this rank's shards only, and a rank that owns none of them gets an "
+                "empty list and cannot take part in computing the global norm. Use "
+                "torch.nn.utils.clip_grad_norm_(parameters, float('inf')) (collective: returns the norm of the "
+                "full gradient and leaves it unchanged), or lightning_layerwise.grad_norm(wrapper).")
+        tensors = listed
+    return original(tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def _handed_out_by_live_wrapper(tensor: torch.Tensor) -> bool:
+    for ref in set(_LIVE.values()):
+        wrapper = ref()
+        if wrapper is not None and wrapper.dp_size > 1 and wrapper.handed_out_gradient(tensor):
+            return True
+    return False
+
+
+def _module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+    _ORIGINAL["zero_grad"](self, set_to_none)
+    if _LIVE:
+        for p in self.parameters():
+            wrapper = wrapper_of(p)
+            if wrapper is not None:
+                wrapper.clear_stepped_grad(p, set_to_none)
+
+
+# --- Lightning ---------------------------------------------------------------------------------------------------
+
+def lightning_grad_norm(module: nn.Module, norm_type: Any, group_separator: str = "/") -> dict[str, Any]:
+    """Lightning's ``grad_norm``, over the full gradient of each parameter (Note [gradient utilities])."""
+    original = _ORIGINAL["grad_norm"]
+    if not _LIVE:
+        return original(module, norm_type, group_separator)
+    named = list(module.named_parameters())
+    wrapper = _synced_wrapper([p for _, p in named])
+    if wrapper is None:
+        return original(module, norm_type, group_separator)
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"`norm_type` must be a positive number or 'inf' (infinity norm). Got {norm_type}")
+    values = _per_parameter_norms(wrapper, named, norm_type)
+    norms = {f"grad_{norm_type}_norm{group_separator}{name}": value for name, value in values.items()}
+    if norms:
+        norms[f"grad_{norm_type}_norm_total"] = torch.tensor(list(norms.values())).norm(norm_type)
+    return norms
+
+
+def _per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -> dict[str, torch.Tensor]:
+    """Each parameter's full gradient norm, for the parameters that have a gradient on some rank (collective:
+    one all-reduce of a value and a flag per parameter, per kind of group)."""
+    infinite = math.isinf(p)
+    device = wrapper.flat_buffers[0].grads.device
+    groups = wrapper.process_groups
+    kinds: dict[bool, list] = {False: [], True: []}  # expert? -> [(name, local value, has gradient)]
+    local_norms: dict[str, torch.Tensor] = {}
+    for name, param in named:
+        if not wrapper.owns_tensor(param):
+            if param.grad is not None:  # not trained by the wrapper: this rank's value, as Lightning computes it
+                local_norms[name] = param.grad.detach().norm(p)
+            continue
+        unit = wrapper.unit_of(param)
+        held = unit is not None and unit.stepped.grad is not None
+        if held:
+            g = unit.slot.detach().float()
+            value = g.abs().amax() if infinite and g.numel() else (g.abs().pow(p).sum() if not infinite
+                                                                  else torch.zeros((), device=g.device))
+        else:
+            value = torch.zeros((), device=device)
+        expert = wrapper.is_expert(param)
+        kinds[expert].append((name, value.to(device), 1.0 if held else 0.0))
+    out: dict[str, torch.Tensor] = {}
+    for expert, entries in kinds.items():
+        if not entries:
+            continue
+        values = torch.stack([v for _, v, _ in entries])
+        flags = torch.tensor([f for _, _, f in entries], device=device)
+        both = torch.cat([values, flags])
+        if expert:
+            group = groups.expert_dp
+        else:
+            group = groups.dp if infinite else groups.owner_group
+        if infinite:
+            collectives.all_reduce_max(both, group)
+        else:
+            collectives.all_reduce_sum(both, group)
+        n = len(entries)
+        has_gradient = both[n:].tolist()  # one host transfer for all of them
+        for i, (name, _, _) in enumerate(entries):
+            if has_gradient[i] > 0:
+                out[name] = both[i] if infinite else both[i].pow(1.0 / p)
+    out.update(local_norms)
+    return {name: out[name] for name, _ in named if name in out}
