@@ -427,7 +427,8 @@ class LayerwiseDataParallel(nn.Module):
         self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
         self._refresh_stepped_apart()
         self._handed: dict[nn.Parameter, torch.Tensor] = {}  # param -> the .grad tensor the last sync gave it
-        self._handed_ids: set[int] = set()  # every gradient tensor the last sync handed out
+        self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
+        self._grad_storages = {flat.grads.untyped_storage().data_ptr() for flat in self._flat_buffers}
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
         self._carried: set[nn.Parameter] = set()  # parameters with a carried gradient this accumulation
         self._registered = [*self._param_names, *self._shards.values()]
@@ -615,14 +616,14 @@ class LayerwiseDataParallel(nn.Module):
             p.grad = None
             if hasattr(p, "main_grad"):
                 del p.main_grad
-        for unit in self._units:
+        for unit in self._stepped_apart.values():  # pieces and masters: the other units are parameters
             for t in (unit.tensor, unit.master):
-                if t is not None:
+                if t is not None and t is not unit.param:
                     t.grad = None
                     if hasattr(t, "main_grad"):
                         del t.main_grad
         self._handed.clear()
-        self._handed_ids.clear()
+        self._copies.clear()
         for flat in self._flat_buffers:
             flat.grads.zero_()
         for b in self._buckets:
@@ -762,10 +763,12 @@ class LayerwiseDataParallel(nn.Module):
         tensor.grad = slot if slot.dtype == tensor.dtype else slot.to(tensor.dtype)
         if tensor is unit.param:
             self._handed[tensor] = tensor.grad
-        self._handed_ids.update((id(slot), id(tensor.grad)))
+        if slot.dtype != tensor.dtype:
+            self._copies.add(id(tensor.grad))
         if unit.master is not None:
             unit.master.grad = slot if slot.dtype == torch.float32 else slot.float()
-            self._handed_ids.add(id(unit.master.grad))
+            if slot.dtype != torch.float32:
+                self._copies.add(id(unit.master.grad))
 
     # --- the optimizer's side of each unit ----------------------------------------------------------
     def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
@@ -783,7 +786,9 @@ class LayerwiseDataParallel(nn.Module):
 
     def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
-        return self._grads_handed_out and id(tensor) in self._handed_ids
+        if not self._grads_handed_out:
+            return False
+        return id(tensor) in self._copies or tensor.untyped_storage().data_ptr() in self._grad_storages
 
     def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
         """``param.grad`` was cleared: clear the gradient of the tensor the optimizer holds in its place (a piece,
