@@ -28,6 +28,14 @@ import torch.multiprocessing as mp
 
 from lightning_layerwise.collectives import LATE_COLLECTIVES_ENV
 
+LATE_MS = 4.0
+"""The largest delay (ms) of the fuzzed parity tests: ``run_distributed(..., late_ms=LATE_MS)``.
+
+Longer than a gloo collective of these tests' buckets takes on a CPU (well under 1 ms), so
+most collectives land after the code that follows their dispatch has run, yet short enough
+that a fuzzed test costs a few seconds more than its plain run.
+"""
+
 REFERENCE_THREADS = 1
 """Intra-op threads of every single-process reference, as in each distributed worker.
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import run_distributed
+from _dist import LATE_MS, reference_threads, run_distributed
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise import collectives
 
@@ -63,13 +65,15 @@ def make_optimizer(name: str, params):
     raise ValueError(name)
 
 
+@functools.cache
 def reference_run(opt_name: str, steps: int) -> dict[str, torch.Tensor]:
     model = make_model()
     opt = make_optimizer(opt_name, model.parameters())
-    for idx, target in batches(steps):
-        opt.zero_grad()
-        loss_fn(model, idx, target).backward()
-        opt.step()
+    with reference_threads():
+        for idx, target in batches(steps):
+            opt.zero_grad()
+            loss_fn(model, idx, target).backward()
+            opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -83,7 +87,8 @@ def _grads_worker(rank, world, bucket_size):
     model = make_model()
     ref = make_model()
     idx, target = next(batches(1))
-    loss_fn(ref, idx, target).backward()
+    with reference_threads():
+        loss_fn(ref, idx, target).backward()
     ddp = LayerwiseDataParallel(model, bucket_size=bucket_size)
     loss_fn(ddp, local(idx, rank, world), local(target, rank, world)).backward()
     ddp.finish_grad_sync()
@@ -154,13 +159,19 @@ def test_owned_grads_equal_reference(world, bucket_size):
             assert err <= 1e-6, (name, err)
 
 
+@functools.cache
+def train_run(world: int, opt_name: str, steps: int, late_ms: float | None = None) -> list:
+    return run_distributed(_train_worker, world, opt_name, steps, {"bucket_size": 500, "prefetch_depth": 1},
+                           late_ms=late_ms)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
 def test_training_equals_single_process(world, opt_name):
     steps = 10
     ref = reference_run(opt_name, steps)
-    results = run_distributed(_train_worker, world, opt_name, steps, {"bucket_size": 500, "prefetch_depth": 1})
+    results = train_run(world, opt_name, steps)
     for params, padding_zero, _ in results:
         assert padding_zero
         for name, value in params.items():
@@ -169,6 +180,23 @@ def test_training_equals_single_process(world, opt_name):
     for params, _, _ in results[1:]:
         for name, value in params.items():
             assert torch.equal(value, results[0][0][name])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_training_with_late_collectives_is_bitwise_the_plain_run(world, opt_name):
+    """Note [late collectives] (collectives.py): every collective up to LATE_MS late, the same parameters.
+
+    MUTATIONS
+    """
+    steps = 10
+    ref = reference_run(opt_name, steps)
+    late, plain = train_run(world, opt_name, steps, LATE_MS), train_run(world, opt_name, steps)
+    for (params, padding_zero, _), (want, _, _) in zip(late, plain):
+        assert padding_zero
+        for name, value in params.items():
+            assert rel_err(value, ref[name]) <= 1e-5, (name, rel_err(value, ref[name]))
+            assert torch.equal(value, want[name]), (name, rel_err(value, want[name]))
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -224,7 +252,8 @@ def _accumulation_worker(rank, world, micro):
     # the single-process reference: one backward over the whole global batch
     ref = make_model()
     full_idx, full_target = next(batches(1))
-    loss_fn(ref, full_idx, full_target).backward()
+    with reference_threads():
+        loss_fn(ref, full_idx, full_target).backward()
     errors = {n: rel_err(g, dict(ref.named_parameters())[n].grad) for n, g in grads.items()}
     return n_reduces, len(ddp.buckets), errors
 
@@ -237,9 +266,10 @@ class _null:
         return False
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_no_sync_accumulation_equals_one_large_batch(world):
-    for n_reduces, n_buckets, errors in run_distributed(_accumulation_worker, world, 2):
+@pytest.mark.parametrize("world,late_ms", [(2, None), (3, None), (2, LATE_MS), (3, LATE_MS)])
+def test_no_sync_accumulation_equals_one_large_batch(world, late_ms):
+    """``late_ms``: every collective up to that late (Note [late collectives] in collectives.py)."""
+    for n_reduces, n_buckets, errors in run_distributed(_accumulation_worker, world, 2, late_ms=late_ms):
         assert n_reduces == n_buckets, "one reduce-scatter per bucket per optimizer step"
         assert errors and max(errors.values()) <= 1e-6, errors
 
