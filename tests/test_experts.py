@@ -142,7 +142,8 @@ def test_expert_parallel_training_equals_one_process_holding_every_expert(world,
 def test_two_expert_parallel_ranks_with_late_collectives_are_bitwise_the_plain_run(opt_name):
     """4 ranks, E=2, every collective up to LATE_MS late (Note [late collectives]): the plain run's numbers.
 
-    MUTATIONS
+    Mutation runs (LATE_MS=4), relative error of wte.weight, adamw / muon / sgd: reduce-scatter
+    not awaited 2.3e-1 / 3.3e-1 / 1.7; all-gather not awaited in the pre-hook 1.3e-1 / 1.4e-1 / 2.2e-1.
     """
     ref = reference(opt_name)
     late, plain = [r[opt_name] for r in run(4, 2, None, LATE_MS)], [r[opt_name] for r in run(4, 2)]

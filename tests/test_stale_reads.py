@@ -257,18 +257,13 @@ def test_every_read_waits_for_its_all_gather(world, late_ms):
     ``late_ms``: every collective up to that late (Note [late collectives] in collectives.py), and
     then every case bitwise the plain run.
 
-    MUTATIONS
+    Mutation runs (LATE_MS=4), first failing case ``transformer_default`` (embedding.weight), 2 / 3
+    ranks: reduce-scatter not awaited 1.1e-3 / 1.0e-3; all-gather not awaited in the pre-hook
+    2.2e-4 / 2.6e-4.
     """
     cases = list(CASES)
     refs = {case: reference(case, world) for case in cases}
     runs = waiting_run(world, late_ms)
-    if late_ms is not None:
-        for rank, (results, plain) in enumerate(zip(runs, waiting_run(world))):
-            for key, (params, regs, _, _) in results.items():
-                assert regs == plain[key][1], (rank, key)
-                for name, value in params.items():
-                    assert torch.equal(value, plain[key][0][name]), \
-                        (rank, key, name, rel_err(value, plain[key][0][name]))
     for rank, results in enumerate(runs):
         for (case, repeat), (params, regs, error, _) in results.items():
             assert error is None, error
@@ -278,6 +273,13 @@ def test_every_read_waits_for_its_all_gather(world, late_ms):
                 assert err <= TOL, f"{case} run {repeat} rank {rank}: {name} rel err {err:.2e}"
             for got, want in zip(regs, want_regs):
                 assert want is None or math.isclose(got, want, rel_tol=TOL), (case, regs, want_regs)
+    if late_ms is not None:  # only the timing changed: bitwise the plain run
+        for rank, (results, plain) in enumerate(zip(runs, waiting_run(world))):
+            for key, (params, regs, _, _) in results.items():
+                assert regs == plain[key][1], (rank, key)
+                for name, value in params.items():
+                    assert torch.equal(value, plain[key][0][name]), \
+                        (rank, key, name, rel_err(value, plain[key][0][name]))
     # The guard did wait where the layout puts a read parameter in a later bucket (as strict mode shows).
     waited = {case: results[(case, 0)][3] for case in cases}
     for case in ("transformer_512", "l2_before_forward") + (("attention", "parent_reads_child") if world == 2 else ()):
