@@ -66,6 +66,9 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple,
             late_ms: float | None) -> None:
     torch.set_num_threads(REFERENCE_THREADS)
+    # Lightning's launchers set cores // processes threads unless OMP_NUM_THREADS is set: on a
+    # machine with more cores a Trainer in a worker would otherwise run with another count.
+    os.environ["OMP_NUM_THREADS"] = str(REFERENCE_THREADS)
     if late_ms is not None:  # read by the package at each dispatch, so setting it here suffices
         os.environ[LATE_COLLECTIVES_ENV] = str(late_ms)
     os.environ.update(

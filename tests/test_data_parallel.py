@@ -420,11 +420,12 @@ def test_rank_that_owns_nothing():
     ref = Tiny()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
-    for _ in range(5):
-        x = torch.randn(GLOBAL_BATCH, 4, generator=g)
-        opt.zero_grad()
-        ref(x).pow(2).mean().backward()
-        opt.step()
+    with reference_threads():
+        for _ in range(5):
+            x = torch.randn(GLOBAL_BATCH, 4, generator=g)
+            opt.zero_grad()
+            ref(x).pow(2).mean().backward()
+            opt.step()
     results = run_distributed(_idle_rank_worker, 4)
     assert sum(1 for owned, _ in results if not owned) >= 2, "two parameters, four ranks: two own nothing"
     for _, params in results:

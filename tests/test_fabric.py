@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_layerwise as llw
-from _dist import run_distributed
+from _dist import reference_threads, run_distributed
 from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, rel_err, snapshot
 from test_stale_reads import CASES as READ_CASES
 from test_stale_reads import STEPS as READ_STEPS
@@ -65,6 +65,11 @@ def train_steps(fabric: Fabric, model, opt, steps, rank: int, world: int, finite
 
 def reference_run(opt_name: str, steps=None, model_dtype=None) -> tuple[dict, list[float]]:
     """One process, the same global batch as MICRO micro-batches of the world's rows."""
+    with reference_threads():
+        return _reference_run(opt_name, steps, model_dtype)
+
+
+def _reference_run(opt_name: str, steps=None, model_dtype=None) -> tuple[dict, list[float]]:
     model = gpt()
     opt = optimizer(opt_name, model)
     norms = []
@@ -151,6 +156,11 @@ def _bf16_true_worker(rank, world):
 
 def _bf16_reference():
     """One process with a bf16 model and float32 master weights: what bf16-true under the strategy computes."""
+    with reference_threads():
+        return _bf16_reference_run()
+
+
+def _bf16_reference_run():
     model = gpt().to(torch.bfloat16)
     masters = gpt()  # float32, the same initial values
     opt = optimizer("adamw", masters)
