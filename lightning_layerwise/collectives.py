@@ -4,11 +4,34 @@ Every function returns a :class:`Collective` (the output tensor and the work
 handle, ``None`` when nothing was sent), so callers decide when to wait. The
 only torch.distributed calls of the package that move tensors live here, with
 the shims for names that differ between torch releases.
+
+Note [late collectives]
+    With ``LLW_LATE_COLLECTIVES=<ms>`` in the environment (read at every dispatch),
+    each collective issued here is queued instead of started: one worker thread per
+    process group runs that group's collectives in program order, each no earlier
+    than a random delay in ``[0, ms]`` milliseconds after its dispatch. The
+    collective reads its inputs and writes its outputs only then. An asynchronous
+    call returns at once with a :class:`LateWork` whose ``wait()`` blocks until the
+    collective ran (and raises its error); a synchronous call blocks until it ran.
+    Correct code computes the same numbers with or without it; code that reads an
+    output before ``wait()``, or writes an input after dispatch, sees other values.
+    The delays depend only on ``LLW_LATE_COLLECTIVES_SEED`` (default 0), the global
+    rank and how many collectives this process issued before: a failing run is
+    repeated with the same delays by setting the same seed. A worker thread ends as
+    soon as its queue has been empty for a short while, so none outlives its group's
+    last collective by more than that.
 """
 
 from __future__ import annotations
 
+import collections
+import math
+import os
+import random
+import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,6 +43,143 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# --- Note [late collectives] ------------------------------------------------------------------
+
+LATE_COLLECTIVES_ENV = "LLW_LATE_COLLECTIVES"
+LATE_COLLECTIVES_SEED_ENV = "LLW_LATE_COLLECTIVES_SEED"
+_IDLE_SECONDS = 0.2  # a worker thread with nothing queued for this long ends
+
+
+def late_collectives_ms() -> float | None:
+    """The largest delay of Note [late collectives] in milliseconds, or ``None`` when it is off."""
+    value = os.environ.get(LATE_COLLECTIVES_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = math.nan
+    if not (0.0 <= ms < math.inf):
+        raise ValueError(f"{LATE_COLLECTIVES_ENV}={value!r}: pass the largest delay of a collective in "
+                         f"milliseconds, a number >= 0 (e.g. {LATE_COLLECTIVES_ENV}=5), or unset it.")
+    return ms
+
+
+def _late_seed() -> int:
+    value = os.environ.get(LATE_COLLECTIVES_SEED_ENV, "0").strip() or "0"
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{LATE_COLLECTIVES_SEED_ENV}={value!r}: pass an integer, e.g. "
+                         f"{LATE_COLLECTIVES_SEED_ENV}=1.") from None
+
+
+def late_delay_ms(seed: int | str, rank: int, index: int, max_ms: float) -> float:
+    """The delay of this process's ``index``-th collective on global rank ``rank``, in ``[0, max_ms]``.
+
+    A function of its arguments only, so a run repeated with the same seed sees the same delays.
+    """
+    return random.Random(f"{seed}:{rank}:{index}").uniform(0.0, max_ms)
+
+
+class LateWork:
+    """The handle of a queued collective (Note [late collectives]): ``wait()`` blocks until it ran."""
+
+    def __init__(self, run: Callable[[], object], due: float, index: int) -> None:
+        self._run, self.due, self.index = run, due, index
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def execute(self) -> None:
+        try:
+            self._run()
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+            self._error = error
+        finally:
+            self._run = None  # drops the tensors
+            self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout=None) -> bool:
+        # No timeout of its own: the collective itself fails after the process group's timeout.
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+class _GroupQueue:
+    """One process group's queued collectives and the thread that runs them in order."""
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.items: collections.deque[LateWork] = collections.deque()
+        self.thread = threading.Thread(target=self._loop, name=f"llw-late-collectives-{key:x}", daemon=True)
+
+    def _loop(self) -> None:
+        while True:
+            with _late.cond:
+                idle_until = time.monotonic() + _IDLE_SECONDS
+                while not self.items:
+                    left = idle_until - time.monotonic()
+                    if left <= 0:
+                        # Removed under the lock: a later collective of this group starts a new thread.
+                        del _late.queues[self.key]
+                        return
+                    _late.cond.wait(left)
+                item = self.items.popleft()
+            delay = item.due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            item.execute()
+
+
+class _LateState:
+    """Per process: the queues by process group and the number of collectives issued (the delays' seed)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queues: dict[int, _GroupQueue] = {}
+        self.issued = 0
+
+
+_late = _LateState()
+# A forked child has none of the parent's threads: it starts with no queue and a fresh lock.
+os.register_at_fork(after_in_child=lambda: globals().__setitem__("_late", _LateState()))
+
+
+def _enqueue(group: ProcessGroup, run: Callable[[], object], max_ms: float) -> LateWork:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with _late.cond:
+        index = _late.issued
+        _late.issued += 1
+        work = LateWork(run, time.monotonic() + late_delay_ms(_late_seed(), rank, index, max_ms) / 1000.0, index)
+        queue = _late.queues.get(id(group))
+        if queue is None:
+            queue = _late.queues[id(group)] = _GroupQueue(id(group))
+            queue.thread.start()
+        queue.items.append(work)
+        _late.cond.notify_all()
+    return work
+
+
+def _issue(group: ProcessGroup, call: Callable[[bool], "dist.Work | None"], async_op: bool):
+    """``call(async_op)`` now, or under Note [late collectives] ``call(False)`` on ``group``'s queue.
+
+    Returns the work handle of an asynchronous call, ``None`` after a synchronous one.
+    """
+    max_ms = late_collectives_ms()
+    if max_ms is None:
+        return call(async_op)
+    work = _enqueue(group, lambda: call(False), max_ms)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 @dataclass
 class Collective:
     """An output tensor and the handle of the collective that fills it.
@@ -29,7 +189,7 @@ class Collective:
     """
 
     output: torch.Tensor
-    work: dist.Work | None
+    work: dist.Work | LateWork | None
     divide_by: int | None = None
 
     def wait(self) -> torch.Tensor:
@@ -76,7 +236,7 @@ def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, asyn
     shard = bucket.chunk(world)[rank]
     in_reduction = average and supports_average(group)
     op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
-    work = _reduce_scatter_single(shard, bucket, op=op, group=group, async_op=async_op)
+    work = _issue(group, lambda a: _reduce_scatter_single(shard, bucket, op=op, group=group, async_op=a), async_op)
     result = Collective(shard, work if async_op else None,
                         divide_by=world if average and not in_reduction else None)
     if not async_op:
@@ -91,7 +251,7 @@ def all_reduce_bucket(tensor: torch.Tensor, group: ProcessGroup | None, async_op
         return Collective(tensor, None)
     in_reduction = average and supports_average(group)
     op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    work = _issue(group, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
     result = Collective(tensor, work if async_op else None,
                         divide_by=dist.get_world_size(group) if average and not in_reduction else None)
     if not async_op:
@@ -105,7 +265,7 @@ def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op
         return Collective(bucket, None)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = bucket.chunk(world)[rank]
-    work = _all_gather_single(bucket, shard, group=group, async_op=async_op)
+    work = _issue(group, lambda a: _all_gather_single(bucket, shard, group=group, async_op=a), async_op)
     return Collective(bucket, work if async_op else None)
 
 
@@ -114,21 +274,22 @@ def all_gather_stacked(tensor: torch.Tensor, group: ProcessGroup | None) -> torc
     if group is None:
         return tensor.unsqueeze(0)
     out = torch.empty((dist.get_world_size(group), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=group)
+    flat = tensor.contiguous().view(-1)
+    _issue(group, lambda a: _all_gather_single(out.view(-1), flat, group=group, async_op=a), False)
     return out
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Sums ``tensor`` in place over ``group`` (synchronously)."""
     if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        _issue(group, lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=a), False)
     return tensor
 
 
 def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Maximum of ``tensor`` in place over ``group`` (synchronously)."""
     if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        _issue(group, lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=a), False)
     return tensor
 
 
@@ -155,7 +316,8 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None,
     if sender:
         for t, offset in zip(tensors, offsets):
             packed[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
-    dist.broadcast(packed, src=dist.get_global_rank(group, src_rank), group=group)
+    src = dist.get_global_rank(group, src_rank)
+    _issue(group, lambda a: dist.broadcast(packed, src=src, group=group, async_op=a), False)
     if not sender:
         for t, offset in zip(tensors, offsets):
             t.copy_(packed[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
@@ -167,4 +329,4 @@ def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup | None, s
         return
     src = dist.get_global_rank(group, src_rank)
     for t in tensors:
-        dist.broadcast(t, src=src, group=group)
+        _issue(group, lambda a, t=t: dist.broadcast(t, src=src, group=group, async_op=a), False)

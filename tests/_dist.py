@@ -4,10 +4,15 @@ Workers are forked, not spawned, so they start in milliseconds and inherit the
 test's imports; each uses one intra-op thread so 3 or 4 ranks share 2 cores.
 A worker that raises makes the whole call raise with that rank's traceback;
 a worker that hangs is killed after ``timeout`` seconds and the call fails.
+
+``late_ms`` runs the workers under Note [late collectives] (``lightning_layerwise/collectives.py``):
+every collective of the package is queued and runs up to ``late_ms`` milliseconds late.
+:func:`reference_threads` fixes the intra-op thread count of single-process references.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -21,6 +26,36 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_layerwise.collectives import LATE_COLLECTIVES_ENV
+
+LATE_MS = 4.0
+"""The largest delay (ms) of the fuzzed parity tests: ``run_distributed(..., late_ms=LATE_MS)``.
+
+Longer than a gloo collective of these tests' buckets takes on a CPU (well under 1 ms), so
+most collectives land after the code that follows their dispatch has run, yet short enough
+that a fuzzed test costs a few seconds more than its plain run.
+"""
+
+REFERENCE_THREADS = int(os.environ.get("LLW_REFERENCE_THREADS", "1"))
+"""Intra-op threads of every single-process reference and of each distributed worker.
+
+With a fixed count a reference's reductions are split the same way on every machine and
+under any load; a count that followed the machine (torch's default: its cores) would make
+the reference itself vary between machines. ``LLW_REFERENCE_THREADS=2`` checks that the
+tolerances also hold where the kernels split their work differently.
+"""
+
+
+@contextlib.contextmanager
+def reference_threads(threads: int = REFERENCE_THREADS):
+    """Runs the block with ``torch.set_num_threads(threads)``, then restores the previous count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -28,8 +63,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple,
+            late_ms: float | None) -> None:
+    torch.set_num_threads(REFERENCE_THREADS)
+    # Lightning's launchers set cores // processes threads unless OMP_NUM_THREADS is set: on a
+    # machine with more cores a Trainer in a worker would otherwise run with another count.
+    os.environ["OMP_NUM_THREADS"] = str(REFERENCE_THREADS)
+    if late_ms is not None:  # read by the package at each dispatch, so setting it here suffices
+        os.environ[LATE_COLLECTIVES_ENV] = str(late_ms)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -50,11 +91,16 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns the results by rank."""
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0,
+                    late_ms: float | None = None) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns the results by rank.
+
+    ``late_ms``: every collective of the package runs up to that many milliseconds late
+    (Note [late collectives]); ``None`` leaves ``LLW_LATE_COLLECTIVES`` as the environment has it.
+    """
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(
-            _worker, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size,
+            _worker, args=(world_size, free_port(), outdir, fn, args, late_ms), nprocs=world_size,
             join=False, start_method="fork",
         )
         deadline = time.monotonic() + timeout

@@ -28,7 +28,7 @@ from torch import nn
 
 import lightning_layerwise as llw
 from lightning_layerwise import checkpoint as ckpt
-from _dist import run_distributed
+from _dist import reference_threads, run_distributed
 
 # save_sharded / load_sharded in one process: torch.distributed.checkpoint says it assumes no process group.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -46,14 +46,10 @@ def make_model() -> nn.Module:
 def trained_state() -> tuple[dict, dict[str, torch.Tensor]]:
     """The named optimizer state of one process after two Muon + AdamW steps, and the parameters by name.
 
-    One intra-op thread, as on the ranks of ``run_distributed``, so every process computes the same bits.
+    The intra-op threads of the ranks of ``run_distributed``, so every process computes the same bits.
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with reference_threads():
         return _trained_state()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _trained_state() -> tuple[dict, dict[str, torch.Tensor]]:

@@ -38,7 +38,8 @@ def records(outdir: Path, world: int) -> list[dict]:
     assert sorted(r["global_rank"] for r in recs) == list(range(world))
     for r in recs:
         assert r["world_size"] == world and r["strategy"] == "LayerwiseStrategy" and r["global_step"] == 4
-        assert abs(r["checksum"] - recs[0]["checksum"]) < 1e-9, "every rank holds the same parameters"
+        # Bitwise-equal parameters give the same checksum, computed by the same code on every rank.
+        assert r["checksum"] == recs[0]["checksum"], "every rank holds the same parameters"
     return recs
 
 

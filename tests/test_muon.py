@@ -33,6 +33,7 @@ from lightning_layerwise.optim import (
     orthogonalize,
     resolve_ns_coefficients,
 )
+from _dist import reference_threads
 
 TORCH_COEFFS = (3.4445, -4.775, 2.0315)
 
@@ -41,10 +42,8 @@ TORCH_COEFFS = (3.4445, -4.775, 2.0315)
 def one_thread():
     # Tiny tensors gain nothing from intra-op threads, and on a shared 2-core
     # machine OpenMP spin-waits made these tests 5x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with reference_threads():
+        yield
 
 
 # ---------------------------------------------------------------------------

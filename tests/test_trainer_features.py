@@ -361,9 +361,9 @@ def test_lr_scheduler_and_lr_monitor_match_ddp(tmp_path):
             assert [s for s, _ in lw["lrs"]] == [s for s, _ in ddp["lrs"]]
             for (_, got), (_, want) in zip(lw["lrs"], ddp["lrs"]):
                 assert got.keys() == want.keys()
-                for k in want:
-                    assert got[k] == pytest.approx(want[k], rel=1e-12), (rank, optimizer, k)
-            assert lw["final_lr"] == pytest.approx(ddp["final_lr"], rel=1e-12)
+                for k in want:  # the same scheduler arithmetic on the same Python floats
+                    assert got[k] == want[k], (rank, optimizer, k)
+            assert lw["final_lr"] == ddp["final_lr"]
             assert_trained(lw["params"], optimizer)
             assert_close_dicts(lw["params"], ddp["params"], what=f"rank {rank} {optimizer}")
 
@@ -552,7 +552,7 @@ def test_validate_test_predict_match_ddp_with_uneven_batches(tmp_path):
     # sync_dist: every rank logs the same value.
     for strategy in ("ddp", "layerwise"):
         values = [r[strategy]["after_fit"]["validate"][0]["val_loss"] for r in results]
-        assert values[0] == pytest.approx(values[1], rel=1e-6)
+        assert values[0] == values[1]  # one all-reduce, the same result on every rank
         # Lightning weights each batch by its size, over all ranks: (5 * loss_0 + 3 * loss_1) / 8.
         expected = (5 * results[0][strategy]["local_mse"] + 3 * results[1][strategy]["local_mse"]) / 8
         assert values[0] == pytest.approx(expected, rel=1e-5)
