@@ -266,6 +266,7 @@ def _train_wrapped(model: nn.Module, batches, optimizer: str, **wrapper_kwargs) 
     opt = _optimizer(optimizer, model.parameters())
     losses = []
     for x, y in batches:
+        opt.zero_grad(set_to_none=True)
         loss = F.mse_loss(wrapper(x), y)
         loss.backward()
         wrapper.finish_grad_sync()
