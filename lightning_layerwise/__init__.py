@@ -9,6 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
+from .config import LayerwiseConfig
 from .data_parallel import CollectiveError, LayerwiseDataParallel, ReplicaDivergenceError
 from .experts import mark_experts
 from .fabric import LayerwiseFabricStrategy
@@ -23,6 +24,7 @@ LayerwiseFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "CollectiveError",
+    "LayerwiseConfig",
     "LayerwiseDataParallel",
     "LayerwiseFabricStrategy",
     "LayerwiseStrategy",

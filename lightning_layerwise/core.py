@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import sys
 from abc import ABC, abstractmethod
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -42,14 +41,12 @@ from torch.optim import Optimizer
 from . import checkpoint as ckpt
 from .data_parallel import LayerwiseDataParallel, reject_sparse_gradients
 from .experts import check_expert_marks, expert_key_map, expert_key_predicate, expert_parameter_names
-from .layout import DEFAULT_BUCKET_SIZE, choose_owner_group_size, param_specs
-from .optim.elementwise import elementwise_parameters, resolve_optimizer_classes
+from .layout import choose_owner_group_size, param_specs
+from .config import DTYPES, SETTINGS, LayerwiseConfig
+from .optim.elementwise import elementwise_parameters
 from .precision import MasterWeights
 from .process_groups import ProcessGroups
-from .read_guard import READ_GUARDS
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 STRATEGY_NAMES = (("layerwise", "popen"), ("layerwise_spawn", "spawn"), ("layerwise_fork", "fork"),
                   ("layerwise_notebook", "fork"))
 """The registered names and their start methods, as ``ddp`` has them (Trainer and Fabric alike)."""
@@ -82,74 +79,11 @@ class LayerwiseCore(ABC):
     """The layer-wise optimizer's strategy logic, for a Trainer or a Fabric ``DDPStrategy`` (see the module doc)."""
 
     # --- arguments ---------------------------------------------------------------------------------------------------
-    def _init_layerwise(self, *, bucket_size, overlap_grad_reduce, overlap_param_gather, param_read_guard,
-                        prefetch_depth, separate_all_gather_group, grad_reduce_dtype, broadcast_buffers,
-                        checkpoint_format, replica_check_every, skip_nonfinite_steps, elementwise_fill,
-                        elementwise_optimizers, owner_group_size, expert_parallel_size, timeout,
-                        start_method) -> None:
-        """Checks every argument (before any process or group exists) and keeps them as attributes."""
-        cls = type(self).__name__
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-            raise ValueError(f"{cls}(bucket_size={bucket_size!r}): pass a positive number of elements, "
-                             f"e.g. bucket_size={DEFAULT_BUCKET_SIZE}.")
-        if overlap_param_gather not in (True, False, "auto"):
-            raise ValueError(f"{cls}(overlap_param_gather={overlap_param_gather!r}): use True, False or 'auto'.")
-        if param_read_guard not in READ_GUARDS:
-            raise ValueError(f"{cls}(param_read_guard={param_read_guard!r}): use 'wait' (reads wait for their "
-                             "all-gather), 'strict' (such reads raise, for debugging) or 'off' (stale reads, for "
-                             "measurements only).")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ValueError(f"{cls}(prefetch_depth={prefetch_depth!r}): pass an integer >= 1.")
-        if grad_reduce_dtype is not None and grad_reduce_dtype not in DTYPES:
-            raise ValueError(f"{cls}(grad_reduce_dtype={grad_reduce_dtype!r}): use one of {sorted(DTYPES)} or None "
-                             "(the parameter dtype).")
-        if checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"{cls}(checkpoint_format={checkpoint_format!r}): use 'sharded' (a directory, each rank "
-                             "writes what it owns) or 'full' (one file written by rank 0).")
-        if replica_check_every is not None and (isinstance(replica_check_every, bool)
-                                                or not isinstance(replica_check_every, int) or replica_check_every < 1):
-            raise ValueError(f"{cls}(replica_check_every={replica_check_every!r}): pass a number of optimizer steps "
-                             ">= 1 (e.g. 100), or None to never check.")
-        for name, value in (("overlap_grad_reduce", overlap_grad_reduce),
-                            ("separate_all_gather_group", separate_all_gather_group),
-                            ("broadcast_buffers", broadcast_buffers), ("skip_nonfinite_steps", skip_nonfinite_steps),
-                            ("elementwise_fill", elementwise_fill)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{cls}({name}={value!r}): pass True or False.")
-        if isinstance(elementwise_optimizers, (str, type)):
-            raise ValueError(f"{cls}(elementwise_optimizers={elementwise_optimizers!r}): pass a list of optimizer "
-                             "classes or import paths, e.g. ['my_package.optim.Lion'].")
-        elementwise_classes = resolve_optimizer_classes(elementwise_optimizers, f"{cls}(elementwise_optimizers=...)")
-        bad_size = isinstance(owner_group_size, bool) or not isinstance(owner_group_size, int) or owner_group_size < 1
-        if owner_group_size not in ("auto", None) and bad_size:
-            raise ValueError(f"{cls}(owner_group_size={owner_group_size!r}): pass 'auto', None (one group of every "
-                             "rank) or a positive integer that divides the number of ranks, e.g. 8.")
-        if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) \
-                or expert_parallel_size < 1:
-            raise ValueError(f"{cls}(expert_parallel_size={expert_parallel_size!r}): pass a positive integer that "
-                             "divides the number of ranks and every MoE layer's expert count (1: no expert "
-                             "parallelism).")
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"{cls}(timeout={timeout!r}): pass a datetime.timedelta, e.g. "
-                             "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "
-                             "accepted either).")
-        if start_method not in START_METHODS:
-            raise ValueError(f"{cls}(start_method={start_method!r}): use 'popen', 'spawn', 'fork' or 'forkserver'.")
-        self.bucket_size = bucket_size
-        self.overlap_grad_reduce = overlap_grad_reduce
-        self.overlap_param_gather = overlap_param_gather
-        self.param_read_guard = param_read_guard
-        self.prefetch_depth = prefetch_depth
-        self.separate_all_gather_group = separate_all_gather_group
-        self.grad_reduce_dtype = grad_reduce_dtype
-        self.broadcast_buffers = broadcast_buffers
-        self.checkpoint_format = checkpoint_format
-        self.replica_check_every = replica_check_every
-        self.skip_nonfinite_steps = bool(skip_nonfinite_steps)
-        self.elementwise_fill = elementwise_fill
-        self.elementwise_optimizers = elementwise_classes
-        self.owner_group_size = owner_group_size
-        self.expert_parallel_size = expert_parallel_size
+    def _init_layerwise(self, config: LayerwiseConfig) -> None:
+        """Keeps the checked settings (``config``, also as attributes) and the run's empty state."""
+        self.config = config
+        for name in SETTINGS:
+            setattr(self, name, getattr(config, name))
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
         self._steps = 0  # optimizer steps since setup, for replica_check_every

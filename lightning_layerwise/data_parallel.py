@@ -154,7 +154,8 @@ from torch import nn
 from . import collectives
 from .buffers import FlatBuffer, allocate_buffers, view_of
 from .collectives import Collective
-from .layout import DEFAULT_BUCKET_SIZE, Layout, ParamSpec, newton_schulz_cost, param_specs, plan_layout
+from .layout import (DEFAULT_BUCKET_SIZE, Layout, ParamSpec, is_bucket_size, newton_schulz_cost, param_specs,
+                     plan_layout)
 from .process_groups import ProcessGroups
 from .read_guard import READ_GUARDS, ReadGuard, StaleParameterReadError
 from . import read_guard
@@ -282,7 +283,7 @@ class LayerwiseDataParallel(nn.Module):
         expert: Callable[[str, nn.Parameter], bool] | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(bucket_size, int) or bucket_size <= 0:
+        if not is_bucket_size(bucket_size):
             raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, "
                              f"e.g. {DEFAULT_BUCKET_SIZE}.")
         if not isinstance(prefetch_depth, int) or prefetch_depth < 1:

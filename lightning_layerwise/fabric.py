@@ -45,6 +45,7 @@ from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .clip import clip_grad_norm_, clip_grad_value_
+from .config import config_from_options
 from .core import LayerwiseCore, check_precision, is_compiled, is_local_path, register_strategy_names
 from .data_parallel import LayerwiseDataParallel
 from .precision import sharded_grad_scaler
@@ -82,7 +83,8 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
-        self._init_layerwise(**_layerwise_options(options), timeout=timeout, start_method=start_method)
+        self._init_layerwise(config_from_options(type(self).__name__, options, timeout=timeout,
+                                                 start_method=start_method))
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
                          process_group_backend, timeout, start_method)
         self._backward_sync_control = _LayerwiseBackwardSyncControl()
@@ -452,23 +454,3 @@ def _release_at_exit(strategy: LayerwiseFabricStrategy) -> Callable[[], None]:
 
     atexit.register(release)
     return release
-
-
-_BASE_ARGUMENTS = frozenset({"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io",
-                             "precision_plugin", "process_group_backend", "timeout", "start_method"})
-
-
-def _layerwise_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The layer-wise arguments with the Trainer strategy's defaults, the one place they are written."""
-    import inspect
-
-    from .strategy import LayerwiseStrategy
-
-    defaults = {name: p.default for name, p in inspect.signature(LayerwiseStrategy.__init__).parameters.items()
-                if name not in _BASE_ARGUMENTS}
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise TypeError(f"LayerwiseFabricStrategy got unknown argument(s) {unknown}; its arguments are "
-                        f"{sorted(defaults)} (as LayerwiseStrategy's) and Fabric's own (accelerator, precision, "
-                        "process_group_backend, timeout, start_method, ...).")
-    return {**defaults, **options}

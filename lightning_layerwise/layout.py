@@ -377,10 +377,15 @@ class Layout:
         return "\n".join(lines)
 
 
+def is_bucket_size(value) -> bool:
+    """The one rule for a bucket size, wherever it is given: an ``int`` (not a ``bool``) >= 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _validate(specs: Sequence[ParamSpec], dp: int, bucket_size: int) -> None:
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"dp={dp!r} is not a valid data-parallel size; pass an integer >= 1.")
-    if not isinstance(bucket_size, int) or bucket_size <= 0:
+    if not is_bucket_size(bucket_size):
         raise ValueError(
             f"bucket_size={bucket_size!r} must be a positive number of elements; "
             f"pass e.g. bucket_size={DEFAULT_BUCKET_SIZE}."

@@ -52,6 +52,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import checkpoint as ckpt
+from .config import LayerwiseConfig
 from .core import LayerwiseCore, check_precision, is_compiled, is_local_path, register_strategy_names
 from .data_parallel import LayerwiseDataParallel
 from .layout import DEFAULT_BUCKET_SIZE
@@ -175,7 +176,7 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        self._init_layerwise(
+        self._init_layerwise(LayerwiseConfig(
             bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather, param_read_guard=param_read_guard,
             prefetch_depth=prefetch_depth, separate_all_gather_group=separate_all_gather_group,
@@ -184,7 +185,8 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
             skip_nonfinite_steps=skip_nonfinite_steps, elementwise_fill=elementwise_fill,
             elementwise_optimizers=elementwise_optimizers, owner_group_size=owner_group_size,
             expert_parallel_size=expert_parallel_size, timeout=timeout, start_method=start_method,
-        )
+            owner=type(self).__name__,
+        ))
 
         super().__init__(
             accelerator=accelerator,

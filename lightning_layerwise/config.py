@@ -1,0 +1,131 @@
+"""Every setting of the layer-wise strategies, typed and checked in one place.
+
+:class:`LayerwiseConfig` is what ``LayerwiseStrategy(...)`` and ``LayerwiseFabricStrategy(...)``
+build from their arguments: a frozen dataclass whose construction checks every value
+(before any process or group exists), each error naming the strategy class, the argument,
+the value and a fix. The defaults are written here once; the Trainer strategy repeats them
+in its signature only so that LightningCLI can read the types (a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import InitVar, dataclass, fields
+from datetime import timedelta
+from typing import Literal, Optional, Sequence, Union
+
+import torch
+from torch.distributed.constants import default_pg_timeout
+
+from .layout import DEFAULT_BUCKET_SIZE, is_bucket_size
+from .optim.elementwise import resolve_optimizer_classes
+from .read_guard import READ_GUARDS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+@dataclass(frozen=True)
+class LayerwiseConfig:
+    """The settings of one layer-wise strategy; see ``LayerwiseStrategy`` and docs/usage.md for each."""
+
+    bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Elements per communication bucket (all shards together)."""
+    overlap_grad_reduce: bool = True
+    """Dispatch a bucket's reduce-scatter during backward as soon as its gradients are complete."""
+    overlap_param_gather: Union[bool, Literal["auto"]] = "auto"
+    """All-gather parameters behind the next forward; ``"auto"``: unless the model is compiled."""
+    param_read_guard: Literal["wait", "strict", "off"] = "wait"
+    """What a read of a parameter whose all-gather has not landed does (Note [read guard])."""
+    prefetch_depth: int = 2
+    """Buckets whose all-gather may be in flight at once."""
+    separate_all_gather_group: bool = True
+    """All-gathers on their own process group, so they can overlap reduce-scatters."""
+    grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    """Dtype of the gradient buffers and reduce-scatter; ``None``: the parameter dtype."""
+    broadcast_buffers: bool = True
+    """Broadcast module buffers from rank 0 at every training forward, as ``ddp`` does."""
+    checkpoint_format: Literal["sharded", "full"] = "sharded"
+    """A directory each rank writes its part of, or one file written by rank 0."""
+    replica_check_every: Optional[int] = None
+    """Every this many optimizer steps, check that all ranks hold bitwise-equal parameters."""
+    skip_nonfinite_steps: bool = False
+    """Skip the optimizer step on every rank when any rank's reduced gradients are not finite."""
+    elementwise_fill: bool = True
+    """Split the parameters the optimizer updates element-wise across shards."""
+    elementwise_optimizers: Sequence[Union[type, str]] = ()
+    """Further optimizer classes (or import paths) whose update is element-wise; resolved to classes."""
+    owner_group_size: Union[int, Literal["auto"], None] = "auto"
+    """Ranks per owner group; ``"auto"``: one group on one node; ``None``: every rank."""
+    expert_parallel_size: int = 1
+    """Ranks per expert-parallel group (1: no expert parallelism)."""
+    timeout: Optional[timedelta] = default_pg_timeout
+    """Collective timeout."""
+    start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
+    """How processes are launched, as for ``ddp``."""
+    owner: InitVar[str] = "LayerwiseConfig"
+    """The name errors give the settings under (the strategy class); not kept."""
+
+    def __post_init__(self, owner: str) -> None:
+        cls = owner
+        if not is_bucket_size(self.bucket_size):
+            raise ValueError(f"{cls}(bucket_size={self.bucket_size!r}): pass a positive number of elements, "
+                             f"e.g. bucket_size={DEFAULT_BUCKET_SIZE}.")
+        if self.overlap_param_gather not in (True, False, "auto"):
+            raise ValueError(f"{cls}(overlap_param_gather={self.overlap_param_gather!r}): use True, False or 'auto'.")
+        if self.param_read_guard not in READ_GUARDS:
+            raise ValueError(f"{cls}(param_read_guard={self.param_read_guard!r}): use 'wait' (reads wait for their "
+                             "all-gather), 'strict' (such reads raise, for debugging) or 'off' (stale reads, for "
+                             "measurements only).")
+        if not _is_count(self.prefetch_depth):
+            raise ValueError(f"{cls}(prefetch_depth={self.prefetch_depth!r}): pass an integer >= 1.")
+        if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in DTYPES:
+            raise ValueError(f"{cls}(grad_reduce_dtype={self.grad_reduce_dtype!r}): use one of {sorted(DTYPES)} or "
+                             "None (the parameter dtype).")
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ValueError(f"{cls}(checkpoint_format={self.checkpoint_format!r}): use 'sharded' (a directory, each "
+                             "rank writes what it owns) or 'full' (one file written by rank 0).")
+        if self.replica_check_every is not None and not _is_count(self.replica_check_every):
+            raise ValueError(f"{cls}(replica_check_every={self.replica_check_every!r}): pass a number of optimizer "
+                             "steps >= 1 (e.g. 100), or None to never check.")
+        for name in ("overlap_grad_reduce", "separate_all_gather_group", "broadcast_buffers", "skip_nonfinite_steps",
+                     "elementwise_fill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{cls}({name}={getattr(self, name)!r}): pass True or False.")
+        if isinstance(self.elementwise_optimizers, (str, type)):
+            raise ValueError(f"{cls}(elementwise_optimizers={self.elementwise_optimizers!r}): pass a list of "
+                             "optimizer classes or import paths, e.g. ['my_package.optim.Lion'].")
+        classes = resolve_optimizer_classes(self.elementwise_optimizers, f"{cls}(elementwise_optimizers=...)")
+        object.__setattr__(self, "elementwise_optimizers", classes)  # frozen: the resolved classes are kept
+        if self.owner_group_size not in ("auto", None) and not _is_count(self.owner_group_size):
+            raise ValueError(f"{cls}(owner_group_size={self.owner_group_size!r}): pass 'auto', None (one group of "
+                             "every rank) or a positive integer that divides the number of ranks, e.g. 8.")
+        if not _is_count(self.expert_parallel_size):
+            raise ValueError(f"{cls}(expert_parallel_size={self.expert_parallel_size!r}): pass a positive integer "
+                             "that divides the number of ranks and every MoE layer's expert count (1: no expert "
+                             "parallelism).")
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise ValueError(f"{cls}(timeout={self.timeout!r}): pass a datetime.timedelta, e.g. "
+                             "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "
+                             "accepted either).")
+        if self.start_method not in START_METHODS:
+            raise ValueError(f"{cls}(start_method={self.start_method!r}): use 'popen', 'spawn', 'fork' or "
+                             "'forkserver'.")
+
+
+def _is_count(value) -> bool:
+    """An ``int`` (not a ``bool``) >= 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(LayerwiseConfig))
+"""The names of the settings, in order."""
+
+
+def config_from_options(owner: str, options: dict, **fixed) -> LayerwiseConfig:
+    """A :class:`LayerwiseConfig` from keyword arguments, refusing unknown names with the list of known ones."""
+    unknown = sorted(set(options) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"{owner} got unknown argument(s) {unknown}; its arguments are {sorted(SETTINGS)} (as "
+                        "LayerwiseStrategy's) and Fabric's own (accelerator, precision, process_group_backend, "
+                        "timeout, start_method, ...).")
+    return LayerwiseConfig(**options, **fixed, owner=owner)
