@@ -558,3 +558,48 @@ def test_backward_passes_accumulate_until_the_gradients_are_cleared():
     # before the wrapper can set it aside, which is refused by name.
     with pytest.raises(RuntimeError, match="still held the gradient of the last sync.*prepare_backward"):
         out.backward()
+
+
+def test_a_gradient_arriving_twice_in_one_backward_names_reentrant_checkpointing():
+    """A weight used inside a reentrant checkpoint and outside it gets its gradient twice in one backward:
+    the second arrives after its bucket was reduced, which is refused by name (non-reentrant is fine)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Twice(nn.Module):
+        def __init__(self, reentrant):
+            super().__init__()
+            self.a, self.reentrant = nn.Linear(4, 4, bias=False), reentrant
+
+        def forward(self, x):
+            return self.a(checkpoint(self.a, x, use_reentrant=self.reentrant)).sum()
+
+    x = torch.randn(2, 4, requires_grad=True)
+    wrapper = LayerwiseDataParallel(Twice(reentrant=True), process_groups=ProcessGroups.single())
+    with pytest.raises(RuntimeError, match=r"'a.weight'.*after its bucket was reduced.*use_reentrant=False"):
+        wrapper(x).backward()
+    torch.manual_seed(0)
+    model, ref = Twice(reentrant=False), Twice(reentrant=False)
+    ref.load_state_dict(model.state_dict())
+    wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    wrapper(x).backward()
+    wrapper.finish_grad_sync()
+    ref(x).backward()
+    assert torch.equal(model.a.weight.grad, ref.a.weight.grad)
+
+
+def test_a_sparse_gradient_is_refused_by_name():
+    """nn.Embedding(sparse=True) is refused at wrapping; a functional sparse lookup when its gradient arrives."""
+    with pytest.raises(ValueError, match=r"'0.weight' belongs to Embedding\(sparse=True\).*sparse=False"):
+        LayerwiseDataParallel(nn.Sequential(nn.Embedding(5, 3, sparse=True)), process_groups=ProcessGroups.single())
+
+    class Functional(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(5, 3))
+
+        def forward(self, idx):
+            return nn.functional.embedding(idx, self.table, sparse=True).sum()
+
+    wrapper = LayerwiseDataParallel(Functional(), process_groups=ProcessGroups.single())
+    with pytest.raises(RuntimeError, match=r"'table' received a sparse gradient.*sparse=False"):
+        wrapper(torch.tensor([1, 2])).backward()
