@@ -44,7 +44,7 @@ from .experts import check_expert_marks, expert_key_map, expert_key_predicate, e
 from .layout import choose_owner_group_size, param_specs
 from .config import DTYPES, SETTINGS, LayerwiseConfig
 from .optim.elementwise import elementwise_parameters
-from .precision import MasterWeights
+from .masters import MasterWeights
 from .process_groups import ProcessGroups
 
 STRATEGY_NAMES = (("layerwise", "popen"), ("layerwise_spawn", "spawn"), ("layerwise_fork", "fork"),
