@@ -150,7 +150,7 @@ class LayerwiseCore(ABC):
                             if self.expert_parallel_size > 1 else {})
         groups = ProcessGroups.create(
             separate_all_gather=self.separate_all_gather_group, backend=self.process_group_backend,
-            timeout=self._timeout, owner_group_size=self._resolve_owner_group_size(elementwise),
+            timeout=self._timeout, owner_group_size=self._resolve_owner_group_size(elementwise, experts),
             expert_parallel_size=self.expert_parallel_size,
         )
         self._groups = groups
@@ -225,7 +225,7 @@ class LayerwiseCore(ABC):
                                  "lightning_layerwise.mark_experts on every rank.")
         return names
 
-    def _resolve_owner_group_size(self, elementwise) -> int:
+    def _resolve_owner_group_size(self, elementwise, experts: frozenset = frozenset()) -> int:
         """The owner group size for this world: the argument, or the layout's choice for ``"auto"``."""
         world = self.world_size
         if self.owner_group_size is None:
@@ -240,9 +240,15 @@ class LayerwiseCore(ABC):
         if ranks_per_node is None or world <= ranks_per_node:
             return world  # one node: one group (Note [choosing the owner group size] in layout.py)
         grad_dtype = self._grad_reduce_dtype()
+        # With the expert marks: experts are planned over their expert data-parallel group whatever the owner
+        # group is, as the wrapper plans them, so they do not sway the choice (Note [choosing the owner group
+        # size] in layout.py).
+        E = self.expert_parallel_size
+        expert = (lambda name, p: name in experts) if experts else None
         g, _ = choose_owner_group_size(
-            param_specs(self._user_module(), elementwise=elementwise), world, self.bucket_size,
-            ranks_per_node=ranks_per_node, grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None)
+            param_specs(self._user_module(), elementwise=elementwise, expert=expert), world, self.bucket_size,
+            ranks_per_node=ranks_per_node, grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None,
+            expert_dp=world // E if expert is not None and E > 1 else None)
         if g != world:
             rank_zero_info(f"{type(self).__name__}: owner groups of {g} ranks (owner_group_size='auto'; "
                            f"{world // g} groups).")

@@ -461,13 +461,21 @@ def estimated_rank_bytes(layout: Layout, grad_bytes: int | None = None,
     optimizer state of the busiest rank's elements. ``grad_bytes``: per gradient element
     (default: the parameter's)."""
     buffers = sum(b.numel * (b.dtype.itemsize + (grad_bytes or b.dtype.itemsize)) for b in layout.buffers)
-    return buffers + max(layout.rank_numels()) * state_bytes
+    # Dense owners are positions in the owner group, expert owners in the expert data-parallel group
+    # (Note [expert parallelism]): each kind's busiest position, added, bounds a rank's state.
+    by_kind: dict[str, dict[int, int]] = {}
+    kinds = {name: plan.kind for plan in layout.buffers for bucket in plan.buckets for name in bucket.params}
+    for name, slot in layout.params.items():
+        owners = by_kind.setdefault(kinds[name], {})
+        for piece in slot.pieces:
+            owners[piece.owner] = owners.get(piece.owner, 0) + piece.numel
+    return buffers + sum(max(owners.values()) for owners in by_kind.values() if owners) * state_bytes
 
 
 def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
                             cost: Callable[[ParamSpec], float] = newton_schulz_cost, ranks_per_node: int | None = None,
-                            grad_bytes: int | None = None, state_bytes: int = DEFAULT_STATE_BYTES
-                            ) -> tuple[int, Layout]:
+                            grad_bytes: int | None = None, state_bytes: int = DEFAULT_STATE_BYTES,
+                            expert_dp: int | None = None) -> tuple[int, Layout]:
     """The owner group size ``g`` (a divisor of ``dp``) that needs the least memory per rank, and its layout.
 
     Note [choosing the owner group size]
@@ -487,23 +495,31 @@ def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: in
         cheap, the layouts of real models pad little at 8 ranks with element-wise
         fill, and one group spreads Newton–Schulz over every rank, which the memory
         estimate does not weigh. Pure: every rank computes the same answer.
+        Expert parameters (``kind="expert"``, with ``expert_dp``) are planned over their
+        expert data-parallel group whatever ``g`` is: they cost every candidate the
+        same, so the choice weighs the dense parameters alone, as the wrapper then
+        plans them.
     """
     specs = list(specs)
     _validate(specs, dp, bucket_size)
     if ranks_per_node is not None and dp <= ranks_per_node:
-        return dp, plan_layout(specs, dp, bucket_size, cost)
-    numel = sum(s.numel for s in specs)
+        return dp, plan_layout(specs, dp, bucket_size, cost, expert_dp=expert_dp)
+    expert_groups = expert_dp is not None and any(s.kind == "expert" for s in specs)
+    numel = sum(s.numel for s in specs if not (expert_groups and s.kind == "expert"))
+    expert_numel = sum(s.numel for s in specs if expert_groups and s.kind == "expert")
     buffers: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
     for spec in specs:
         buffers.setdefault((spec.dtype, spec.kind), []).append(spec)
 
     def floor(g: int) -> int:
         total = 0
-        for (dtype, _), members in buffers.items():
+        for (dtype, kind), members in buffers.items():
+            ranks = expert_dp if expert_groups and kind == "expert" else g
             largest_whole = max((aligned(s.numel) for s in members if not s.elementwise), default=0)
-            elements = max(sum(aligned(s.numel) for s in members), g * largest_whole)
+            elements = max(sum(aligned(s.numel) for s in members), ranks * largest_whole)
             total += elements * (dtype.itemsize + (grad_bytes or dtype.itemsize))
-        return total + -(-numel // g) * state_bytes
+        experts = -(-expert_numel // expert_dp) if expert_groups else 0
+        return total + (-(-numel // g) + experts) * state_bytes
 
     candidates = sorted((floor(g), -g) for g in range(1, dp + 1) if dp % g == 0)
     planned: dict[int, tuple[int, Layout]] = {}
@@ -512,7 +528,7 @@ def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: in
         if best is not None and bound > best:
             break
         g = -negative_g
-        layout = plan_layout(specs, g, bucket_size, cost)
+        layout = plan_layout(specs, g, bucket_size, cost, expert_dp=expert_dp)
         planned[g] = (estimated_rank_bytes(layout, grad_bytes, state_bytes), layout)
         best = min(best, planned[g][0]) if best is not None else planned[g][0]
     near = [g for g, (b, _) in planned.items() if b <= 1.01 * best]

@@ -451,3 +451,22 @@ def test_few_matrices_on_many_ranks_choose_smaller_owner_groups():
     whole = plan_layout(specs, 64)
     assert g < 64 and layout.padding_fraction < whole.padding_fraction
     assert estimated_rank_bytes(layout) < estimated_rank_bytes(whole)
+
+
+def test_owner_group_choice_weighs_experts_as_the_wrapper_plans_them():
+    """``owner_group_size="auto"`` with expert marks: experts are planned over their expert data-parallel group
+    whatever the owner group is, so only the dense parameters decide. On a model of 3 dense matrices and 64
+    expert matrices at 16 ranks (8 per node, E=8, so 2 expert data-parallel ranks), treating the experts as
+    dense picks groups of 8 (67 matrices fill a node's shards), while the 3 dense matrices alone are best in
+    groups of 4 (fewer shards to pad); the wrapper plans the experts apart in either case."""
+    from lightning_layerwise.layout import choose_owner_group_size
+
+    dense = [ParamSpec(f"d{i}", (512, 512)) for i in range(3)]
+    experts = [ParamSpec(f"e{i}", (512, 512), kind="expert") for i in range(64)]
+    as_dense = [ParamSpec(s.name, s.shape) for s in experts]
+    g_marked, layout = choose_owner_group_size(dense + experts, 16, 2**20, ranks_per_node=8, expert_dp=2)
+    g_dense_only, _ = choose_owner_group_size(dense + as_dense, 16, 2**20, ranks_per_node=8)
+    assert (g_marked, g_dense_only) == (4, 8)
+    assert {b.kind for b in layout.buffers} == {"dense", "expert"}
+    owners = {p.owner for name, slot in layout.params.items() if name.startswith("e") for p in slot.pieces}
+    assert owners == {0, 1}, "experts are planned over the 2 expert data-parallel ranks"
