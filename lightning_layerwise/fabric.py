@@ -23,6 +23,7 @@ calls them:
 from __future__ import annotations
 
 import atexit
+import inspect
 import weakref
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -49,6 +50,8 @@ from .config import config_from_options
 from .core import LayerwiseCore, check_precision, is_compiled, is_local_path, register_strategy_names
 from .data_parallel import LayerwiseDataParallel
 from .precision import sharded_grad_scaler
+
+_TAKES_SCHEDULER = "scheduler" in inspect.signature(DDPStrategy.setup_module_and_optimizers).parameters
 
 SUPPORTED_PRECISION = (Precision, DoublePrecision, MixedPrecision, HalfPrecision)
 """Fabric precision plugins the strategy accepts (exact types: a subclass may change what clipping must do)."""
@@ -118,12 +121,14 @@ class LayerwiseFabricStrategy(LayerwiseCore, DDPStrategy):
     @override
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
-    ) -> tuple[nn.Module, list[Optimizer], Optional[Any]]:
+    ) -> tuple:
         self._check_new_trained_module(module)
         for optimizer in optimizers:
             self._check_optimizer_parameters(optimizer, module)
         self._optimizers = list(optimizers)
-        return self._setup_wrapper(module, use_elementwise=True), optimizers, scheduler
+        wrapper = self._setup_wrapper(module, use_elementwise=True)
+        # Fabric passes a scheduler through this call from Lightning 2.6 on; before, it takes two values back.
+        return (wrapper, optimizers, scheduler) if _TAKES_SCHEDULER else (wrapper, optimizers)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
