@@ -1,0 +1,107 @@
+"""Train the example GPT with a plain torch loop: no Lightning, only ``lightning_layerwise``'s engine.
+
+Run from the repository root (after ``bash scripts/setup_env.sh test``)::
+
+    # 2 CPU processes (gloo), a minute or so
+    .venv/bin/torchrun --nproc-per-node 2 examples/torch_train.py --steps 100
+
+    # 8 GPUs (NCCL), Muon for the matrices and AdamW for the rest
+    torchrun --nproc-per-node 8 examples/torch_train.py --steps 2000 --optimizer muon
+
+The loop is what a ``DistributedDataParallel`` user writes, with ``LayerwiseDataParallel``
+in its place: ``zero_grad``, forward, ``backward``, ``finish_grad_sync()`` (each rank then
+holds the averaged gradient of what it owns), ``torch.nn.utils.clip_grad_norm_`` over the
+model's parameters (the norm of the full gradient, on every rank), ``optimizer.step()``
+(each rank steps only what it owns) and ``start_param_sync()`` (the all-gather that the next
+forward waits for, bucket by bucket). The text is the Python standard library's source, read
+character by character; every rank reads its own rows of each global batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lightning_layerwise as llw  # noqa: E402
+from examples.gpt import GPT, GPTConfig  # noqa: E402
+
+
+def make_optimizer(name: str, model: torch.nn.Module, **muon_options) -> torch.optim.Optimizer:
+    if name == "muon":
+        return llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.1,
+                        **muon_options)
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, rank: int, world: int,
+          max_norm: float = 1.0, **wrapper_kwargs) -> tuple[list[float], list[float]]:
+    """The training loop: ``batches`` are global batches of tokens, each rank takes its rows. Returns each
+    step's loss on this rank's rows and the norm of the full gradient before clipping (the same on every
+    rank). Collective: every rank calls it."""
+    wrapper = llw.LayerwiseDataParallel(model, **wrapper_kwargs)  # broadcasts rank 0's parameters
+    losses, norms = [], []
+    for tokens in batches:
+        mine = tokens.chunk(world)[rank]
+        optimizer.zero_grad()
+        _, loss = wrapper(mine[:, :-1], mine[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+        wrapper.finish_grad_sync()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        wrapper.start_param_sync()
+    wrapper.release()  # waits for the last all-gather; the model is an ordinary module again
+    return losses, norms
+
+
+def text_batches(steps: int, batch: int, block: int, seed: int = 0, limit: int = 2_000_000):
+    """``steps`` global batches of ``block + 1`` characters (bytes) from the standard library's source."""
+    text = bytearray()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        text += path.read_bytes()
+        if len(text) >= limit:
+            break
+    data = torch.frombuffer(text, dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - block - 1, (batch,), generator=g)
+        yield torch.stack([data[s:s + block + 1] for s in starts.tolist()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (rows), divisible by the world size")
+    parser.add_argument("--block", type=int, default=128)
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="muon")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=args.block)).to(device)
+    optimizer = make_optimizer(args.optimizer, model)
+    start = time.perf_counter()
+    batches = (t.to(device) for t in text_batches(args.steps, args.batch, args.block))
+    losses, norms = train(model, optimizer, batches, rank, world)
+    if rank == 0:
+        print(f"{args.steps} steps at {world} processes in {time.perf_counter() - start:.0f} s; loss "
+              f"{losses[0]:.2f} at the first step, {losses[-1]:.2f} at the last (rank 0's rows)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
