@@ -156,7 +156,9 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
             "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`")
-    _clip_grads_with_norm_(params, max_norm, total, foreach)
+    clip.scale_grads_by_norm_(wrapper, max_norm, total, parameters=params)
+    if foreign:
+        _ORIGINAL["_clip_grads_with_norm_"](foreign, max_norm, total, foreach)
     return total
 
 
