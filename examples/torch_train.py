@@ -1,20 +1,21 @@
-"""Train the example GPT with a plain torch loop: no Lightning, only ``lightning_layerwise``'s engine.
+"""Train the example GPT with a plain torch loop: no Lightning, only ``lightning_layerwise``'s session.
 
 Run from the repository root (after ``bash scripts/setup_env.sh test``)::
 
     # 2 CPU processes (gloo), a minute or so
     .venv/bin/torchrun --nproc-per-node 2 examples/torch_train.py --steps 100
 
-    # 8 GPUs (NCCL), Muon for the matrices and AdamW for the rest
-    torchrun --nproc-per-node 8 examples/torch_train.py --steps 2000 --optimizer muon
+    # 8 GPUs (NCCL), Muon for the matrices and AdamW for the rest; a sharded checkpoint at the end
+    torchrun --nproc-per-node 8 examples/torch_train.py --steps 2000 --optimizer muon --save runs/torch.ckpt
 
-The loop is what a ``DistributedDataParallel`` user writes, with ``LayerwiseDataParallel``
-in its place: ``zero_grad``, forward, ``backward``, ``finish_grad_sync()`` (each rank then
-holds the averaged gradient of what it owns), ``torch.nn.utils.clip_grad_norm_`` over the
-model's parameters (the norm of the full gradient, on every rank), ``optimizer.step()``
-(each rank steps only what it owns) and ``start_param_sync()`` (the all-gather that the next
-forward waits for, bucket by bucket). The text is the Python standard library's source, read
-character by character; every rank reads its own rows of each global batch.
+The loop is what a ``DistributedDataParallel`` user writes, with a ``LayerwiseSession`` around
+it: ``session.wrap(model, optimizer)`` (the layout splits what the optimizer updates
+element-wise; rank 0's parameters are broadcast), ``zero_grad``, forward,
+``session.backward(loss)`` (each rank then holds the averaged gradient of what it owns),
+``torch.nn.utils.clip_grad_norm_`` over the model's parameters (the norm of the full gradient,
+on every rank), ``session.step(optimizer)`` (each rank steps only what it owns, then starts the
+all-gather that the next forward waits for, bucket by bucket). The text is the Python standard
+library's source, read character by character; every rank reads its own rows of each global batch.
 """
 
 from __future__ import annotations
@@ -43,23 +44,31 @@ def make_optimizer(name: str, model: torch.nn.Module, **muon_options) -> torch.o
 
 
 def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches, rank: int, world: int,
-          max_norm: float = 1.0, **wrapper_kwargs) -> tuple[list[float], list[float]]:
+          max_norm: float = 1.0, save: str | None = None, resume: str | None = None,
+          **options) -> tuple[list[float], list[float]]:
     """The training loop: ``batches`` are global batches of tokens, each rank takes its rows. Returns each
     step's loss on this rank's rows and the norm of the full gradient before clipping (the same on every
-    rank). Collective: every rank calls it."""
-    wrapper = llw.LayerwiseDataParallel(model, **wrapper_kwargs)  # broadcasts rank 0's parameters
+    rank). ``options``: :class:`lightning_layerwise.LayerwiseConfig` settings. ``resume``: a checkpoint to
+    start from (it says how many of ``batches`` were done); ``save``: where to write one at the end.
+    Collective: every rank calls it."""
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(**options))  # world and rank from torch.distributed
+    wrapped = session.wrap(model, optimizer)  # broadcasts rank 0's parameters
+    done = session.load_checkpoint(resume)["step"] if resume else 0
     losses, norms = [], []
-    for tokens in batches:
+    for step, tokens in enumerate(batches):
+        if step < done:
+            continue
         mine = tokens.chunk(world)[rank]
         optimizer.zero_grad()
-        _, loss = wrapper(mine[:, :-1], mine[:, 1:])
-        loss.backward()
+        _, loss = wrapped(mine[:, :-1], mine[:, 1:])
+        session.backward(loss)
         losses.append(loss.item())
-        wrapper.finish_grad_sync()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        optimizer.step()
-        wrapper.start_param_sync()
-    wrapper.release()  # waits for the last all-gather; the model is an ordinary module again
+        session.step(optimizer)
+        done = step + 1
+    if save:
+        session.save_checkpoint(save, step=done)
+    session.release()  # waits for the last all-gather; the model is an ordinary module again
     return losses, norms
 
 
@@ -83,6 +92,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch (rows), divisible by the world size")
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="muon")
+    parser.add_argument("--save", help="write a checkpoint here at the end (a directory: each rank writes its part)")
+    parser.add_argument("--resume", help="continue from this checkpoint (any world size)")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -96,10 +107,10 @@ def main() -> None:
     optimizer = make_optimizer(args.optimizer, model)
     start = time.perf_counter()
     batches = (t.to(device) for t in text_batches(args.steps, args.batch, args.block))
-    losses, norms = train(model, optimizer, batches, rank, world)
-    if rank == 0:
-        print(f"{args.steps} steps at {world} processes in {time.perf_counter() - start:.0f} s; loss "
-              f"{losses[0]:.2f} at the first step, {losses[-1]:.2f} at the last (rank 0's rows)")
+    losses, norms = train(model, optimizer, batches, rank, world, save=args.save, resume=args.resume)
+    if rank == 0 and losses:
+        print(f"{len(losses)} steps at {world} processes in {time.perf_counter() - start:.0f} s; loss "
+              f"{losses[0]:.2f} at the first, {losses[-1]:.2f} at the last (rank 0's rows)")
     dist.destroy_process_group()
 
 

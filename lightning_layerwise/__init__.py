@@ -4,7 +4,7 @@ Importing the package registers the strategies ``layerwise``, ``layerwise_spawn`
 ``layerwise_fork`` and ``layerwise_notebook`` with Lightning, for the Trainer
 (:class:`LayerwiseStrategy`) and for Fabric (:class:`LayerwiseFabricStrategy`).
 Without Lightning installed the engine still imports and trains: a plain torch loop
-around :class:`LayerwiseDataParallel` (``examples/torch_train.py``).
+drives a :class:`LayerwiseSession` (``examples/torch_train.py``).
 """
 
 from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
@@ -15,6 +15,7 @@ from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
 from .read_guard import StaleParameterReadError
+from .session import LayerwiseSession, SessionEnv
 
 _LIGHTNING_NAMES = ("LayerwiseStrategy", "LayerwiseFabricStrategy")
 
@@ -36,7 +37,7 @@ else:  # the engine needs only torch: a plain loop (examples/torch_train.py) run
     def __getattr__(name: str):
         if name in _LIGHTNING_NAMES:
             raise ImportError(f"lightning_layerwise.{name} needs Lightning (pip install lightning); the engine "
-                              "(LayerwiseDataParallel, Muon, clipping) works without it.")
+                              "(LayerwiseSession, LayerwiseDataParallel, Muon, clipping) works without it.")
         raise AttributeError(f"module 'lightning_layerwise' has no attribute {name!r}")
 
 __all__ = [
@@ -44,12 +45,14 @@ __all__ = [
     "LayerwiseConfig",
     "LayerwiseDataParallel",
     "LayerwiseFabricStrategy",
+    "LayerwiseSession",
     "LayerwiseStrategy",
     "Layout",
     "Muon",
     "ParamSpec",
     "ProcessGroups",
     "ReplicaDivergenceError",
+    "SessionEnv",
     "StaleParameterReadError",
     "clip_grad_norm_",
     "clip_grad_value_",

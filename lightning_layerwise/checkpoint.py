@@ -3,8 +3,8 @@
 Every trainable parameter has exactly one owner and a name, so a checkpoint
 never needs to know the world size, the bucket size or the layout that wrote
 it: it is a set of named tensors. This module is the engine half (plain torch
-and ``torch.distributed.checkpoint``); ``strategy.py`` calls it from Lightning's
-hooks.
+and ``torch.distributed.checkpoint``); the formats (``formats.py``) call it for the
+session, whichever front door (Trainer, Fabric, a plain loop) drives it.
 
 Note [checkpoint keys]
     The optimizer state is saved in *named form*: ``{"state": {name: {...}},
@@ -562,6 +562,42 @@ def gather_named_state(part: dict[str, Any], group=None) -> Optional[dict[str, A
             entries = chain.from_iterable(p.get(key, {}).items() for p in parts)
             merged[key] = dict(sorted(entries, key=lambda kv: repr(kv[0])))  # names, or (name, start) of pieces
     return merged
+
+
+# --- files -----------------------------------------------------------------------------------
+
+
+def is_local_path(path: Any) -> bool:
+    """Whether ``path`` (a string as the user gave it: URLs keep their ``//``) is on the local filesystem.
+
+    Decided on the string: ``Path("s3://b/x")`` would read ``s3:/b/x``, a local path."""
+    text = str(path)
+    try:
+        from fsspec.core import url_to_fs
+        from fsspec.implementations.local import LocalFileSystem
+    except ImportError:  # without fsspec only local paths and file:// URLs are local
+        return "://" not in text or text.startswith("file://")
+    return isinstance(url_to_fs(text)[0], LocalFileSystem)
+
+
+class TorchFileIO:
+    """One checkpoint file through ``torch.save`` / ``torch.load``, for a loop without Lightning (Lightning's
+    ``CheckpointIO`` plugins have the same three methods and are used in its place)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TorchFileIO.save_checkpoint takes no storage_options; pass a CheckpointIO plugin that "
+                            "writes to remote storage.")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if not Path(path).exists():
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return torch.load(path, map_location="cpu", weights_only=True if weights_only is None else weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        _remove(Path(path))
 
 
 # --- atomic writes -----------------------------------------------------------------------

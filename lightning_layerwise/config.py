@@ -1,10 +1,11 @@
 """Every setting of the layer-wise strategies, typed and checked in one place.
 
 :class:`LayerwiseConfig` is what ``LayerwiseStrategy(...)`` and ``LayerwiseFabricStrategy(...)``
-build from their arguments: a frozen dataclass whose construction checks every value
-(before any process or group exists), each error naming the strategy class, the argument,
-the value and a fix. The defaults are written here once; the Trainer strategy repeats them
-in its signature only so that LightningCLI can read the types (a test keeps the two equal).
+build from their arguments, and what a :class:`~lightning_layerwise.LayerwiseSession` is given:
+a frozen dataclass whose construction checks every value (before any process or group
+exists), each error naming the strategy class, the argument, the value and a fix. The
+defaults are written here once; the Trainer strategy repeats them in its signature only so
+that LightningCLI can read the types (a test keeps the two equal).
 """
 
 from __future__ import annotations

@@ -264,6 +264,10 @@ class LayerwiseDataParallel(nn.Module):
             they get buffers of their own, reduced and gathered over the expert
             data-parallel group of ``process_groups`` (Note [expert parallelism] in
             ``process_groups.py``). Default: none.
+        layout: the plan to use, made once by the caller (the session chooses the owner group
+            size by planning, and hands that plan down); it must be planned from
+            :func:`layout_specs` of ``module`` for the owner group of ``process_groups``.
+            Default: planned here.
     """
 
     def __init__(
@@ -281,6 +285,7 @@ class LayerwiseDataParallel(nn.Module):
         param_read_guard: ReadGuard = "wait",
         elementwise: Callable[[str, nn.Parameter], bool] | None = None,
         expert: Callable[[str, nn.Parameter], bool] | None = None,
+        layout: Layout | None = None,
     ) -> None:
         super().__init__()
         if not is_bucket_size(bucket_size):
@@ -311,12 +316,7 @@ class LayerwiseDataParallel(nn.Module):
         self.owner_rank = self.process_groups.owner_rank
 
         reject_sparse_gradients(module)
-        if elementwise is not None:
-            # A piece is a range of the parameter's storage, cut and joined in checkpoints as a range of its
-            # logical elements: the two agree only for a contiguous parameter (Note [memory format] in buffers.py).
-            user_elementwise = elementwise
-            elementwise = lambda name, p: p.is_contiguous() and user_elementwise(name, p)  # noqa: E731
-        specs = param_specs(module, expert=expert, elementwise=elementwise)
+        specs = layout_specs(module, elementwise=elementwise, expert=expert)
         if not specs:
             raise ValueError(
                 f"{type(module).__name__} has no trainable parameter (none with requires_grad=True); "
@@ -327,7 +327,11 @@ class LayerwiseDataParallel(nn.Module):
         self.expert_parallel_size = groups.expert_parallel_size
         expert_dp = dist.get_world_size(groups.expert_dp) if groups.expert_parallel is not None else None
         self.expert_dp_rank = dist.get_rank(groups.expert_dp) if expert_dp is not None else self.owner_rank
-        self.layout: Layout = plan_layout(specs, self.owner_size, bucket_size, cost, expert_dp=expert_dp)
+        if layout is None:
+            layout = plan_layout(specs, self.owner_size, bucket_size, cost, expert_dp=expert_dp)
+        else:
+            _check_layout(layout, specs, self.owner_size, bucket_size, expert_dp)
+        self.layout: Layout = layout
         self._expert_names = frozenset(s.name for s in specs if s.kind == "expert")
         if expert is not None:  # frozen expert parameters: outside the layout, but held per expert rank
             self._expert_names |= {n for n, p in module.named_parameters() if expert(n, p)}
@@ -1168,6 +1172,45 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are the same elements of the same memory (one a view of the other, or equal)."""
     return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
                       and a.stride() == b.stride())
+
+
+def layout_specs(module: nn.Module, elementwise: Callable[[str, nn.Parameter], bool] | None = None,
+                 expert: Callable[[str, nn.Parameter], bool] | None = None) -> list[ParamSpec]:
+    """The specs the wrapper plans ``module`` from; a layout handed to the wrapper must be planned from these.
+
+    ``elementwise`` may split only contiguous parameters: a piece is a range of the parameter's storage, cut
+    and joined in checkpoints as a range of its logical elements, and the two agree only for a contiguous
+    parameter (Note [memory format] in buffers.py)."""
+    if elementwise is not None:
+        user_elementwise = elementwise
+        elementwise = lambda name, p: p.is_contiguous() and user_elementwise(name, p)  # noqa: E731
+    return param_specs(module, expert=expert, elementwise=elementwise)
+
+
+def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucket_size: int,
+                  expert_dp: int | None) -> None:
+    """A layout handed in (planned once, by the caller) must fit this module, these groups and this bucket size."""
+    shapes = {s.name: s.shape for s in specs}
+    planned = {n: slot.shape for n, slot in layout.params.items()}
+    whole = {s.name for s in specs if not s.elementwise}
+    split_whole = sorted(n for n, slot in layout.params.items() if slot.split and n in whole)
+    kinds = {s.name: s.kind for s in specs}
+    other_kind = sorted(n for n, slot in layout.params.items()
+                        if n in kinds and layout.buffers[slot.buffer].kind != kinds[n])
+    expert_ranks = sorted({b.dp for b in layout.buffers if b.kind == "expert"} - {expert_dp or owner_size})
+    problem = (f"planned for {layout.dp} ranks per owner group, not {owner_size}" if layout.dp != owner_size else
+               f"planned with bucket_size={layout.bucket_size}, not {bucket_size}"
+               if layout.bucket_size != bucket_size else
+               f"planned for other parameters ({sorted(set(planned) ^ set(shapes))[:3]} differ, or their shapes)"
+               if planned != shapes else
+               f"splits {split_whole[:3]}, which this wrapper owns whole" if split_whole else
+               f"planned with {other_kind[:3]} in buffers of another kind (expert or dense)" if other_kind else
+               f"planned with expert buffers over {expert_ranks[0]} ranks, not {expert_dp or owner_size}"
+               if expert_ranks else None)
+    if problem is not None:
+        raise ValueError(f"LayerwiseDataParallel(layout=...) does not fit: the layout was {problem}. Plan it with "
+                         "lightning_layerwise.data_parallel.layout_specs(module, ...) for these process groups, or "
+                         "pass layout=None to plan here.")
 
 
 def reject_sparse_gradients(module: nn.Module) -> None:

@@ -22,41 +22,50 @@ scaler's state. The user's plugin object is left as it was.
 
 from __future__ import annotations
 
-import weakref
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from .clip import clip_grad_norm_, clip_grad_value_
 
-if TYPE_CHECKING:
-    from .strategy import LayerwiseStrategy
+class StepHooks(NamedTuple):
+    """What a plugin calls of the run: the session's callables (the plugin never sees the strategy)."""
+
+    clip_grad_norm: Callable[[float, list], Any]
+    """``(max_norm, parameters)``: clips by the norm of the full gradient of ``parameters``."""
+    clip_grad_value: Callable[[float, list], None]
+    """``(clip_val, parameters)``: clips each owned gradient element."""
+    before_step: Callable[[str], None]
+    """Before the optimizer steps: the all-gather done, the gradients reduced (raises naming the call)."""
+    skips_nonfinite: Callable[[], bool]
+    """Whether steps with non-finite gradients are skipped (``skip_nonfinite_steps`` while training)."""
+    skip_step: Callable[[], bool]
+    """Whether this step is skipped on every rank (collective; the skip is counted and warned)."""
 
 
 class _ShardedClipping:
     """Clipping of the gradient spread over the ranks' owned shards (mixin for a Precision plugin)."""
 
-    _strategy_ref: Optional[weakref.ReferenceType] = None
+    hooks: Optional[StepHooks] = None
 
-    def _wrapper(self):
-        strategy = self._strategy_ref() if self._strategy_ref is not None else None
-        wrapper = strategy.wrapper if strategy is not None else None
-        if wrapper is None:
+    def _hooks(self) -> StepHooks:
+        if self.hooks is None:
             raise RuntimeError("gradient clipping under strategy='layerwise' needs the model wrapped for fitting "
                                "(LayerwiseStrategy.setup has not run or teardown already has).")
-        return wrapper
+        return self.hooks
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         # The optimizer's parameters only, as Lightning clips them (several optimizers: each its own).
-        clip_grad_norm_(self._wrapper(), clip_val, parameters=list(self.main_params(optimizer)))
+        self._hooks().clip_grad_norm(clip_val, list(self.main_params(optimizer)))
+
+    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+        self._hooks().clip_grad_value(clip_val, list(self.main_params(optimizer)))
 
     def _after_closure(self, model, optimizer) -> None:
-        strategy = self._strategy_ref() if self._strategy_ref is not None else None
-        if strategy is not None:
-            strategy._before_optimizer_step("optimizer.step()")
+        if self.hooks is not None:
+            self.hooks.before_step("optimizer.step()")
         super()._after_closure(model, optimizer)
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
@@ -65,21 +74,16 @@ class _ShardedClipping:
         A grad scaler (``16-mixed``) already skips such steps on every rank and lowers its scale, so it keeps
         its own behaviour.
         """
-        strategy = self._strategy_ref() if self._strategy_ref is not None else None
-        if (strategy is None or not strategy.skip_nonfinite_steps or strategy.wrapper is None
-                or getattr(self, "scaler", None) is not None):
+        hooks = self.hooks
+        if hooks is None or not hooks.skips_nonfinite() or getattr(self, "scaler", None) is not None:
             return super().optimizer_step(optimizer, model, closure, **kwargs)
         closure_result = closure()  # forward and backward; the strategy's post_backward syncs the gradients
         if closure_result is None and model.automatic_optimization:
             return closure_result  # training_step returned None: no backward, nothing to step
-        if not strategy.wrapper.grads_are_finite():
-            strategy.note_skipped_step()
+        if hooks.skip_step():
             return closure_result
         self._after_closure(model, optimizer)  # on_before_optimizer_step and clipping
         return optimizer.step(**kwargs)
-
-    def clip_grad_by_value(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        clip_grad_value_(self._wrapper(), clip_val, parameters=list(self.main_params(optimizer)))
 
 
 class LayerwisePrecision(_ShardedClipping, Precision):
@@ -116,11 +120,11 @@ def sharded_grad_scaler(scaler: torch.amp.GradScaler, device: str, group: Proces
     return sharded
 
 
-def layerwise_precision(plugin: Precision, strategy: "LayerwiseStrategy", group: Optional[ProcessGroup]) -> Precision:
+def layerwise_precision(plugin: Precision, hooks: StepHooks, group: Optional[ProcessGroup]) -> Precision:
     """The strategy's plugin for ``plugin``: the same precision, with clipping and inf checks across shards.
 
-    ``group`` is the data-parallel group (``None`` on one process: no agreement needed).
-    Raises ``ValueError`` for a plugin kind the layer-wise strategy does not support.
+    ``hooks``: the session's callables; ``group``: the data-parallel group (``None`` on one process: no
+    agreement needed). Raises ``ValueError`` for a plugin kind the layer-wise strategy does not support.
     """
     kind = type(plugin)
     if kind in (MixedPrecision, LayerwiseMixedPrecision):
@@ -137,5 +141,5 @@ def layerwise_precision(plugin: Precision, strategy: "LayerwiseStrategy", group:
         new = LayerwisePrecision()
     else:  # the strategy's precision_plugin setter rejects every other kind at Trainer construction
         raise ValueError(f"strategy='layerwise' does not support the precision plugin {kind.__name__}.")
-    new._strategy_ref = weakref.ref(strategy)
+    new.hooks = hooks
     return new

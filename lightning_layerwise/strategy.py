@@ -1,23 +1,26 @@
-"""Lightning glue: ``Trainer(strategy="layerwise")``.
+"""Lightning glue: ``Trainer(strategy="layerwise")``, an adapter around :class:`LayerwiseSession`.
 
 :class:`LayerwiseStrategy` reuses everything of Lightning's ``DDPStrategy`` that
 does not touch gradients (launchers, cluster environments, process-group set-up,
 ``reduce``/``barrier``/``broadcast``, samplers, ``sync_batchnorm``) and replaces
-the ``DistributedDataParallel`` wrapper with :class:`LayerwiseDataParallel`. The
-rest is a handful of hook overrides that call into the engine:
+the ``DistributedDataParallel`` wrapper with the session's. Each Lightning hook calls
+one session method:
 
-* end of backward on the last micro-batch: ``finish_grad_sync`` (owned params get
-  the reduced gradient, the others none);
-* gradient clipping by norm uses the global norm across shards, and a ``16-mixed``
-  grad scaler agrees on "found inf" across ranks: the strategy's own precision
-  plugin (``precision.py``);
-* after ``optimizer.step``: ``start_param_sync`` (async all-gather, awaited by the
-  next forward's pre-hooks);
-* before evaluation, checkpointing and teardown: ``finish_param_sync``;
-* checkpoints are keyed by parameter name and written either sharded (each rank
-  writes what it owns, ``torch.distributed.checkpoint``) or as one full file; on
-  load each rank keeps the state of the parameters it owns under the new
-  layout (``checkpoint.py``).
+* ``setup``: the optimizers are made first, then ``session.wrap`` (the layout splits
+  what they update element-wise); the precision plugin gets the session's callables
+  (clipping by the global norm, a ``16-mixed`` grad scaler that agrees on infs across
+  ranks, skipping non-finite steps; ``precision.py``);
+* ``pre_backward`` / ``post_backward``: ``before_backward`` / ``after_backward``;
+* after ``optimizer.step``: ``after_step`` (the all-gather the next forward waits for);
+* before evaluation, checkpointing and teardown: ``sync_parameters``;
+* checkpoints: ``optimizer_state``, ``save``, ``read``, ``load_optimizer_states``
+  (the format is the session's, ``formats.py``);
+* ``teardown``: ``release``.
+
+``DDPStrategy`` is the base on purpose: its launchers, environments and collectives are
+what ``ddp`` users have, and the one method copied from it (``setup``, reordered so the
+optimizers exist before wrapping) is pinned by the ``lightning`` bound in
+``pyproject.toml``, which CI tests at both ends.
 """
 
 from __future__ import annotations
@@ -41,26 +44,28 @@ from lightning.pytorch.callbacks import (
     ProgressBar,
     Timer,
 )
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import checkpoint as ckpt
 from .config import LayerwiseConfig
-from .core import LayerwiseCore, check_precision, is_compiled, is_local_path, register_strategy_names
-from .data_parallel import LayerwiseDataParallel
+from .formats import Checkpoint
 from .layout import DEFAULT_BUCKET_SIZE
+from .lightning_common import (SessionAdapter, check_precision, register_strategy_names, session_env,
+                               start_session)
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
-from .precision import layerwise_precision
+from .precision import StepHooks, layerwise_precision
+from .session import is_compiled
 
 
-class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
+class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     """Data-parallel training with a layer-wise distributed optimizer.
 
     Gradients are reduce-scattered into shard-aligned buckets, each rank steps
@@ -176,7 +181,7 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
-        self._init_layerwise(LayerwiseConfig(
+        config = LayerwiseConfig(
             bucket_size=bucket_size, overlap_grad_reduce=overlap_grad_reduce,
             overlap_param_gather=overlap_param_gather, param_read_guard=param_read_guard,
             prefetch_depth=prefetch_depth, separate_all_gather_group=separate_all_gather_group,
@@ -186,18 +191,16 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
             elementwise_optimizers=elementwise_optimizers, owner_group_size=owner_group_size,
             expert_parallel_size=expert_parallel_size, timeout=timeout, start_method=start_method,
             owner=type(self).__name__,
-        ))
-
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
         )
+        start_session(self, config)  # self.session: wrapping, steps, checkpoints, teardown
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+
+    def _user_optimizers(self) -> list[Optimizer]:
+        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+
     # --- precision -------------------------------------------------------------------
     def _set_precision_plugin(self, precision_plugin: Optional[Precision]) -> None:
         check_precision(precision_plugin, _SUPPORTED_PRECISION)  # when the Trainer is built, before any process
@@ -205,29 +208,40 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
 
     precision_plugin = property(DDPStrategy.precision_plugin.fget, _set_precision_plugin)
 
-    # --- wrapping --------------------------------------------------------------------
-    @property
-    def wrapper(self) -> Optional[LayerwiseDataParallel]:
-        return self.model if isinstance(self.model, LayerwiseDataParallel) else None
+    @override
+    def setup_precision_plugin(self) -> None:
+        # Fitting: the strategy's own plugin of the same kind, clipping across shards and (16-mixed) a
+        # grad scaler that agrees on infs over the data-parallel group (precision.py).
+        session = self.session
+        if session.wrapper is not None:
+            module = self.lightning_module
+            hooks = StepHooks(
+                clip_grad_norm=lambda max_norm, params: session.clip_grad_norm(max_norm, parameters=params),
+                clip_grad_value=lambda value, params: session.clip_grad_value(value, parameters=params),
+                before_step=session.before_step,
+                skips_nonfinite=lambda: session.config.skip_nonfinite_steps and session.wrapper is not None,
+                skip_step=lambda: session.skip_step(module.global_step))
+            self.precision_plugin = layerwise_precision(self.precision_plugin, hooks, session.groups.dp)
+        super().setup_precision_plugin()
 
-    def _user_module(self) -> Optional[torch.nn.Module]:
-        return self.lightning_module
-
-    def _user_optimizers(self) -> list[Optimizer]:
-        return [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
-
-    def _half_true(self) -> bool:
-        return isinstance(self.precision_plugin, HalfPrecision)
+    # --- set-up ----------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.session.env = session_env(self)
 
     @override
     def configure_ddp(self) -> None:
-        self.model = self._wrap(self.model)
+        self.model = self.session.wrap(self.model, self._user_optimizers(),
+                                       master_weights=isinstance(self.precision_plugin, HalfPrecision))
 
     @override
     def setup(self, trainer) -> None:
         # DDPStrategy.setup, except that the optimizer is created before the model is wrapped: the
         # layout splits the parameters the optimizer updates element-wise (elementwise_fill).
         # Wrapping keeps every parameter object, so the optimizer's references stay valid.
+        self.session.env = session_env(self)
+        self.session.module = self.lightning_module  # checkpoints read into it, wrapped or not
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -237,30 +251,22 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self.configure_ddp()
-        elif self.expert_parallel_size > 1:
-            raise ValueError(f"LayerwiseStrategy(expert_parallel_size={self.expert_parallel_size}) runs inside fit "
-                             "only (validation during fit works); for trainer.validate/test/predict use "
+        elif self.config.expert_parallel_size > 1:
+            raise ValueError(f"LayerwiseStrategy(expert_parallel_size={self.config.expert_parallel_size}) runs "
+                             "inside fit only (validation during fit works); for trainer.validate/test/predict use "
                              "expert_parallel_size=1 with a model that holds every expert.")
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self._after_wrap()
-            self._sync_after_step = self._needs_sync_after_step(trainer)
-
-    @override
-    def setup_precision_plugin(self) -> None:
-        # Fitting: the strategy's own plugin of the same kind, clipping across shards and (16-mixed) a
-        # grad scaler that agrees on infs over the data-parallel group (precision.py).
-        if self.wrapper is not None:
-            self.precision_plugin = layerwise_precision(self.precision_plugin, self, self.wrapper.process_groups.dp)
-        super().setup_precision_plugin()
+            self.session.sync_after_step = self._needs_sync_after_step(trainer)
 
     def _needs_sync_after_step(self, trainer) -> bool:
         """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
-        if self.overlap_param_gather == "auto":
-            readers = _parameter_readers(trainer) if self.param_read_guard == "off" else []
+        overlap = self.config.overlap_param_gather
+        if overlap == "auto":
+            readers = _parameter_readers(trainer) if self.config.param_read_guard == "off" else []
             if readers:
                 rank_zero_info(f"LayerwiseStrategy: {', '.join(readers)} run between optimizer steps, so "
                                "parameters are all-gathered inside each step (pass overlap_param_gather=True "
@@ -271,7 +277,7 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
                                "each step (compiled graphs may skip the forward pre-hooks).")
                 return True
             return False
-        if self.overlap_param_gather is True and is_compiled(self.lightning_module):
+        if overlap is True and is_compiled(self.lightning_module):
             rank_zero_warn("LayerwiseStrategy(overlap_param_gather=True) with a compiled model: a graph compiled "
                            "before the strategy added its forward pre-hooks runs without them and reads stale "
                            "parameters. Use overlap_param_gather='auto' unless you compiled after setup.")
@@ -279,42 +285,30 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
 
     @override
     def _register_ddp_hooks(self) -> None:
-        """DDP communication hooks do not apply: communication is the wrapper's own."""
+        """DDP communication hooks do not apply: communication is the session's own."""
 
+    # --- steps -----------------------------------------------------------------------
     @override
     @contextlib.contextmanager
     def block_backward_sync(self):
         wrapper = self.wrapper
-        if wrapper is None:
-            yield None
-            return
-        with wrapper.no_sync():
+        with wrapper.no_sync() if wrapper is not None else contextlib.nullcontext():
             yield None
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        self._before_backward()
+        self.session.before_backward()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self._after_backward()
+        self.session.after_backward()
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union["torch.nn.Module", Any]] = None,
-        **kwargs: Any,
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union["torch.nn.Module", Any]] = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._after_optimizer_step(optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
+        self.session.after_step(optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer)
         return output
-
-    @override
-    def note_skipped_step(self, step: Any = None) -> None:
-        module = self.lightning_module
-        super().note_skipped_step(module.global_step if module is not None else step)
 
     @override
     def on_train_end(self) -> None:
@@ -351,77 +345,59 @@ class LayerwiseStrategy(LayerwiseCore, DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer state keyed by parameter name (Note [checkpoint keys] in ``checkpoint.py``).
-
-        ``"sharded"``: this rank's owned part. ``"full"``: every rank's part gathered to
-        rank 0 (collective); the other ranks get an empty state.
-        """
+        """The optimizer state keyed by parameter name (Note [checkpoint keys] in ``checkpoint.py``), in the form
+        the checkpoint format writes (``"full"``: gathered to rank 0, a collective)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return self._named_optimizer_state(optimizer)
+        return self.session.optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
-        self._check_full_format_with_experts()
         target = self.broadcast(str(filepath))
-        if self._write_full_or_check_sharded(target, checkpoint, storage_options,
-                                             "LayerwiseStrategy(checkpoint_format='sharded').save_checkpoint"):
-            return
-        checkpoint = dict(checkpoint)
-        model_state = checkpoint.pop("state_dict")
-        self._save_sharded(Path(target), model_state, checkpoint.pop("optimizer_states", []), checkpoint)
+        call = f"LayerwiseStrategy(checkpoint_format={self.config.checkpoint_format!r}).save_checkpoint"
+        self.session.check_save(target, storage_options, call, has_model="state_dict" in checkpoint)
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.session.save(target, Checkpoint(checkpoint, checkpoint.get("state_dict"),
+                                             checkpoint.get("optimizer_states", []), meta),
+                          self.checkpoint_io, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
-            path = Path(filepath)
-            if is_local_path(str(filepath)):
-                for leftover in (ckpt.partial_path(path), ckpt.aside_path(path)):
+            if ckpt.is_local_path(str(filepath)):
+                for leftover in (ckpt.partial_path(Path(filepath)), ckpt.aside_path(Path(filepath))):
                     if leftover.exists():
                         self.checkpoint_io.remove_checkpoint(leftover)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if not is_local_path(str(checkpoint_path)):
-            return super().load_checkpoint(self.broadcast(str(checkpoint_path)), weights_only=weights_only)
-        path = self._resolve_checkpoint_path(checkpoint_path)
-        if path.is_dir():
-            module = self.lightning_module
-            fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
-            meta, optimizer_states = self._read_sharded(
-                path, len(self.optimizers) if fitting else 0, module.strict_loading, weights_only,
-                "Set `strict_loading = False` on the LightningModule to load the keys that match.")
-            if optimizer_states is not None:
-                meta["optimizer_states"] = optimizer_states
-            return meta
-        if type(self.checkpoint_io) is TorchCheckpointIO and path.is_file():
-            # Memory-mapped: a rank reads the pages of the tensors it uses (all parameters, its
-            # owned optimizer state), not the whole optimizer state. Owned state is copied out
-            # of the mapping when the optimizer state is loaded.
-            return torch.load(path, map_location="cpu", mmap=True,
-                              weights_only=True if weights_only is None else weights_only)
-        return super().load_checkpoint(path, weights_only=weights_only)
+        module = self.lightning_module
+        fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        loaded = self.session.read(
+            self.session.resolve_path(checkpoint_path), n_optimizers=len(self.optimizers) if fitting else 0,
+            strict=module.strict_loading, weights_only=weights_only,
+            strict_hint="Set `strict_loading = False` on the LightningModule to load the keys that match.",
+            file_io=self.checkpoint_io, memory_map=type(self.checkpoint_io) is TorchCheckpointIO)
+        if loaded.optimizer_states is not None:
+            loaded.state["optimizer_states"] = loaded.optimizer_states
+        return loaded.state
 
     @override
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        if "state_dict" not in checkpoint:  # sharded: already read by load_checkpoint
-            return
-        self._check_full_load_with_experts()
-        self.sync_parameters()
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self._after_model_load()
+        if "state_dict" in checkpoint:  # else sharded: read by load_checkpoint
+            self.session.load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
-        self._load_optimizer_states(self._user_optimizers(), checkpoint["optimizer_states"])
+        self.session.load_optimizer_states(self._user_optimizers(), checkpoint["optimizer_states"])
 
     # --- teardown ----------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        # Lightning also tears down after a failed fit, from inside its exception handler (see _release).
-        if self._release() is not None:
+        # Lightning also tears down after a failed fit, from inside its exception handler (session.release).
+        if self.session.release() is not None:
             self.model = self.lightning_module
         super().teardown()
 

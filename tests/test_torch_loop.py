@@ -1,10 +1,13 @@
-"""The engine in a plain torch loop (``examples/torch_train.py``): no Lightning.
+"""A ``LayerwiseSession`` in a plain torch loop (``examples/torch_train.py``): no Lightning.
 
 * The example's loop at 2 and 3 gloo ranks equals one process on the same global batch (fp32, relative
   error <= 1e-5 after 6 steps; Muon with float32 Newton-Schulz), and so do the norms
   ``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` returns: the same on every rank.
-* With Lightning not importable, ``import lightning_layerwise`` succeeds, the Lightning strategies raise
-  an ``ImportError`` naming Lightning, and the loop trains.
+* With Lightning not importable, ``import lightning_layerwise.session`` and ``import lightning_layerwise``
+  succeed without importing any Lightning module, the Lightning strategies raise an ``ImportError`` naming
+  Lightning, and a session trains.
+* The session's own checkpoints (``save_checkpoint`` / ``load_checkpoint``, both formats): 2 ranks train
+  half the steps and save, 3 ranks resume and finish, equal to the uninterrupted one-process run.
 """
 
 from __future__ import annotations
@@ -75,8 +78,10 @@ import sys
 sys.modules["lightning"] = None  # `import lightning` raises ImportError
 sys.path[:0] = [".", "examples"]
 import torch
+from lightning_layerwise.session import LayerwiseSession, SessionEnv
 import lightning_layerwise as llw
 assert sys.modules["lightning"] is None
+assert not [m for m in sys.modules if m.startswith("lightning.")], "a Lightning module was imported"
 try:
     llw.LayerwiseStrategy
 except ImportError as error:
@@ -87,8 +92,7 @@ from examples.torch_train import make_optimizer, text_batches, train
 from examples.gpt import GPT, GPTConfig
 torch.manual_seed(0)
 m = GPT(GPTConfig(vocab_size=256, n_layer=1, n_head=2, n_embd=16, block_size=16, bias=False))
-losses, _ = train(m, make_optimizer("adamw", m), text_batches(8, 8, 16, limit=100_000), 0, 1,
-                  process_groups=llw.ProcessGroups.single())
+losses, _ = train(m, make_optimizer("adamw", m), text_batches(8, 8, 16, limit=100_000), 0, 1)
 assert losses[-1] < losses[0], losses
 print("trained", round(losses[0], 2), round(losses[-1], 2))
 """
@@ -100,3 +104,30 @@ def test_the_engine_imports_and_trains_without_lightning():
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("trained"), result.stdout
+
+
+def _resume_worker(rank, world, name, fmt, path, half):
+    """``half`` "first": the first STEPS // 2 steps, then a checkpoint; "second": resume from it, finish."""
+    m = model()
+    opt = make_optimizer(name, m, ns_dtype=torch.float32)
+    if half == "first":
+        train(m, opt, batches()[:STEPS // 2], rank, world, save=path, bucket_size=4096, checkpoint_format=fmt)
+    else:
+        train(m, opt, batches(), rank, world, resume=path, bucket_size=4096, checkpoint_format=fmt)
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_the_plain_loop_resumes_at_another_world_size(tmp_path, fmt):
+    """2 ranks train half the steps and save; 3 ranks resume and finish: the uninterrupted one-process run
+    (AdamW: its state is split across ranks, and must be re-cut for 3)."""
+    path = str(tmp_path / "half.ckpt")
+    run_distributed(_resume_worker, 2, "adamw", fmt, path, "first")
+    assert os.path.isdir(path) == (fmt == "sharded")
+    if fmt == "full":
+        assert set(torch.load(path, weights_only=True)) == {"state_dict", "optimizer_states", "step"}
+    want, _ = reference("adamw")
+    for rank, got in enumerate(run_distributed(_resume_worker, 3, "adamw", fmt, path, "second")):
+        for n in want:
+            assert rel_err(got[n], want[n]) <= TOL, f"{fmt}, rank {rank}: {n} differs by {rel_err(got[n], want[n])}"

@@ -1,0 +1,186 @@
+"""The checkpoint formats, one class each behind one interface.
+
+Note [checkpoint formats]
+    A :class:`CheckpointFormat` knows how one format turns a session's state into bytes and
+    back: what form the optimizer state takes before the host assembles the checkpoint
+    (:meth:`~CheckpointFormat.optimizer_state`), what it refuses before any work
+    (:meth:`~CheckpointFormat.check_save`), how it writes (:meth:`~CheckpointFormat.save`) and
+    how it reads (:meth:`~CheckpointFormat.read`). The session picks the format to *write* from
+    ``checkpoint_format``; the format to *read* is the one found on disk
+    (:func:`format_on_disk`: a directory is sharded, anything else a file), so either
+    setting resumes from either format. The hosts (the Trainer and Fabric strategies, a
+    plain loop) say only where the model and the optimizers sit in their checkpoint
+    dictionary (:class:`Checkpoint`); no host branches on the format.
+
+    * :class:`FullFile`: one ordinary file, written by rank 0 through the host's file IO
+      (Lightning's ``CheckpointIO`` plugin, or :class:`~lightning_layerwise.checkpoint.TorchFileIO`),
+      aside and renamed into place on a local filesystem (Note [atomic save]). The optimizer
+      state is gathered to rank 0. Loadable by ``ddp``, ``load_from_checkpoint`` and ``torch.load``.
+    * :class:`ShardedDirectory`: a ``torch.distributed.checkpoint`` directory each rank writes
+      its owned part of, plus ``meta.pt`` (Note [sharded layout] in ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+
+import torch
+from torch.optim import Optimizer
+
+from . import checkpoint as ckpt
+from .experts import expert_key_predicate
+
+if TYPE_CHECKING:
+    from .session import LayerwiseSession
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint as the host builds it: the one-file form and where its parts are in it."""
+
+    whole: dict[str, Any]
+    """Everything, as one file holds it (the host's keys: Lightning's ``state_dict``, Fabric's ``model``…)."""
+    model_state: Optional[dict[str, Any]]
+    """The trained module's state dict (``None``: the checkpoint holds no trained module)."""
+    optimizer_states: list[dict[str, Any]] = field(default_factory=list)
+    """Each optimizer's state, as :meth:`CheckpointFormat.optimizer_state` made it."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Everything else (loops, callbacks, schedulers, the host's records)."""
+
+
+@dataclass
+class Loaded:
+    """What :meth:`CheckpointFormat.read` returns."""
+
+    state: dict[str, Any]
+    """A file: its whole dictionary. A sharded directory: ``meta.pt`` (everything but model and optimizers)."""
+    model_loaded: bool
+    """Whether the trained module already holds the checkpoint's parameters (sharded: each rank read its own)."""
+    optimizer_states: Optional[list[dict[str, Any]]] = None
+    """Sharded: the optimizer states this rank keeps, in saved order (``None``: none asked for)."""
+
+
+class CheckpointFormat(ABC):
+    """One checkpoint format (Note [checkpoint formats])."""
+
+    name: ClassVar[str]
+    holds_every_expert: ClassVar[bool]
+    """Whether it can be written under expert parallelism (rank 0 holds only its own experts)."""
+
+    @abstractmethod
+    def optimizer_state(self, session: "LayerwiseSession", optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state in this format's form (may be collective)."""
+
+    def check_save(self, session: "LayerwiseSession", target: str, storage_options: Any, call: str,
+                   has_model: bool) -> None:
+        """Raises, before any work, for a save this format cannot make."""
+
+    @abstractmethod
+    def save(self, session: "LayerwiseSession", target: str, checkpoint: Checkpoint, file_io: Any,
+             storage_options: Any) -> None:
+        """Writes ``checkpoint`` at ``target`` (rank 0's path; collective)."""
+
+    @abstractmethod
+    def read(self, session: "LayerwiseSession", path: Union[Path, str], *, n_optimizers: int, strict: bool,
+             weights_only: Optional[bool], strict_hint: str, file_io: Any, memory_map: bool) -> Loaded:
+        """Reads the checkpoint at ``path`` (collective)."""
+
+
+class FullFile(CheckpointFormat):
+    name = "full"
+    holds_every_expert = False
+
+    def optimizer_state(self, session: "LayerwiseSession", optimizer: Optimizer) -> dict[str, Any]:
+        """Every rank's part gathered to rank 0 (collective); the other ranks get an empty state."""
+        named = session.named_optimizer_state(optimizer)
+        ownership = session.ownership()
+        with session.naming_failures("gathering the optimizer state to rank 0 for a full checkpoint"):
+            full = ckpt.gather_named_state(ckpt.mark_pieces(ckpt.state_to_write(named, ownership), ownership))
+        if full is None:
+            return {"state": {}, "param_groups": named["param_groups"]}
+        return ckpt.join_pieces(full, ownership.split)
+
+    def save(self, session: "LayerwiseSession", target: str, checkpoint: Checkpoint, file_io: Any,
+             storage_options: Any) -> None:
+        if not session.is_global_zero:
+            return
+        if not ckpt.is_local_path(target):  # remote storage: the file IO's own semantics
+            file_io.save_checkpoint(checkpoint.whole, target, storage_options=storage_options)
+            return
+        partial = ckpt.partial_path(Path(target))
+        file_io.save_checkpoint(checkpoint.whole, partial, storage_options=storage_options)
+        ckpt.commit(partial, Path(target))
+
+    def read(self, session: "LayerwiseSession", path: Union[Path, str], *, n_optimizers: int, strict: bool,
+             weights_only: Optional[bool], strict_hint: str, file_io: Any, memory_map: bool) -> Loaded:
+        if memory_map and isinstance(path, Path) and path.is_file():
+            # Memory-mapped: a rank reads the pages of the tensors it uses (all parameters, its owned
+            # optimizer state), not the whole optimizer state. Owned state is copied out of the mapping
+            # when the optimizer state is loaded.
+            state = torch.load(path, map_location="cpu", mmap=True,
+                               weights_only=True if weights_only is None else weights_only)
+        else:
+            state = file_io.load_checkpoint(path, weights_only=weights_only)
+        return Loaded(state, model_loaded=False)
+
+
+class ShardedDirectory(CheckpointFormat):
+    name = "sharded"
+    holds_every_expert = True
+
+    def optimizer_state(self, session: "LayerwiseSession", optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's owned part."""
+        return session.named_optimizer_state(optimizer)
+
+    def check_save(self, session: "LayerwiseSession", target: str, storage_options: Any, call: str,
+                   has_model: bool) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{call}(..., storage_options=...) is not supported: sharded checkpoints are written "
+                            "with torch.distributed.checkpoint, not the CheckpointIO plugin. Use "
+                            "checkpoint_format='full' for a CheckpointIO plugin.")
+        if not ckpt.is_local_path(target):
+            raise ValueError(f"{session.name}(checkpoint_format='sharded') writes to a local or mounted "
+                             f"filesystem, not {target!r}; use checkpoint_format='full' for remote storage.")
+        if not has_model:
+            raise ValueError(f"{call} needs the trained module in the state (e.g. {{'model': model, 'optimizer': "
+                             "optimizer, ...}): its parameters are what each rank writes.")
+
+    def save(self, session: "LayerwiseSession", target: str, checkpoint: Checkpoint, file_io: Any,
+             storage_options: Any) -> None:
+        tensors = session.checkpoint_state(session.module.state_dict(keep_vars=True))
+        ownership = session.ownership()
+        state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(
+            session.checkpoint_state(checkpoint.model_state), tensors, ownership)}
+        for index, named in enumerate(checkpoint.optimizer_states):
+            named = ckpt.pieces_as_sharded_tensors(ckpt.state_to_write(named, ownership), ownership)
+            if not session.is_global_zero:
+                named.pop("param_groups")  # identical on every rank: written once, by rank 0
+            state[ckpt.optimizer_key(index)] = named
+        meta = dict(checkpoint.meta)
+        meta["layerwise"] = {**meta.get("layerwise", {}), "format": ckpt.FORMAT, "version": ckpt.FORMAT_VERSION,
+                             **session.layout_meta()}
+        with session.naming_failures(f"saving the sharded checkpoint {target!r}"):
+            ckpt.save_sharded(Path(target), state, meta if session.is_global_zero else None)
+
+    def read(self, session: "LayerwiseSession", path: Union[Path, str], *, n_optimizers: int, strict: bool,
+             weights_only: Optional[bool], strict_hint: str, file_io: Any, memory_map: bool) -> Loaded:
+        """Reads the owned parameters (then all-gathers them) and the owned optimizer state."""
+        module = session.module
+        meta, optimizer_states = ckpt.read_sharded_checkpoint(
+            Path(path), session.checkpoint_state(module.state_dict(keep_vars=True)), session.ownership(),
+            n_optimizers, strict, type(module).__name__, weights_only, other_experts=expert_key_predicate(module),
+            strict_hint=strict_hint)
+        session.after_model_load()
+        return Loaded(meta, model_loaded=True, optimizer_states=optimizer_states)
+
+
+FORMATS: dict[str, CheckpointFormat] = {f.name: f for f in (FullFile(), ShardedDirectory())}
+"""The formats by their ``checkpoint_format`` name."""
+
+
+def format_on_disk(path: Union[Path, str]) -> CheckpointFormat:
+    """The format of the checkpoint at ``path``: a local directory is sharded, anything else one file."""
+    return FORMATS["sharded"] if isinstance(path, Path) and path.is_dir() else FORMATS["full"]

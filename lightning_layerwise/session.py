@@ -1,0 +1,646 @@
+"""One training run of the layer-wise optimizer, with no Lightning in it.
+
+:class:`LayerwiseSession` is what the Trainer strategy, the Fabric strategy and a
+hand-written torch loop all drive. It takes a :class:`~lightning_layerwise.LayerwiseConfig`
+(every setting, checked once) and a :class:`SessionEnv` (what the launcher knows: world
+size, rank, ranks per node, device, a broadcast and a logger), and holds everything of
+the run that does not depend on who calls it:
+
+* :meth:`~LayerwiseSession.wrap`: checks the expert marks on every rank, picks the owner
+  group size by planning the layout once (experts included) and hands that plan to
+  :class:`LayerwiseDataParallel`, creates the process groups, puts the shards (and float32
+  master weights) in the optimizers;
+* the step: :meth:`~LayerwiseSession.before_backward`, :meth:`~LayerwiseSession.after_backward`,
+  :meth:`~LayerwiseSession.before_step`, :meth:`~LayerwiseSession.after_step`,
+  :meth:`~LayerwiseSession.grads_finite` (and :meth:`~LayerwiseSession.backward` /
+  :meth:`~LayerwiseSession.step`, which chain them for a plain loop);
+* checkpoints: what this rank writes and reads, names, optimizer state cut to this rank,
+  and :meth:`~LayerwiseSession.save` / :meth:`~LayerwiseSession.read` through one
+  :class:`~lightning_layerwise.formats.CheckpointFormat` per format;
+* :meth:`~LayerwiseSession.release`: waits for what is in flight, unwraps the module and
+  destroys the run's groups.
+
+A plain torch loop under ``torchrun``::
+
+    session = LayerwiseSession(LayerwiseConfig(bucket_size=2**22))  # env from torch.distributed
+    wrapped = session.wrap(model, optimizer)
+    for x, y in batches:
+        optimizer.zero_grad()
+        session.backward(loss_fn(wrapped(x), y))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the full gradient's norm
+        session.step(optimizer)
+    session.release()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim import Optimizer
+
+from . import checkpoint as ckpt
+from .clip import clip_grad_norm_, clip_grad_value_
+from .config import DTYPES, LayerwiseConfig
+from .data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients
+from .experts import check_expert_marks, expert_key_map, expert_key_predicate, expert_parameter_names
+from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
+from .layout import Layout, choose_owner_group_size, plan_layout
+from .masters import MasterWeights
+from .optim.elementwise import elementwise_parameters
+from .process_groups import ProcessGroups
+
+log = logging.getLogger("lightning_layerwise")
+
+
+def _broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank of the default group (itself without one)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@dataclass(frozen=True)
+class SessionEnv:
+    """What the launcher knows about this process; the Trainer and Fabric strategies fill it from their own."""
+
+    world_size: int = 1
+    rank: int = 0
+    ranks_per_node: Optional[int] = None
+    """Processes per node (``None``: unknown); ``owner_group_size="auto"`` keeps groups inside a node."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where this rank's optimizer state lives."""
+    backend: Optional[str] = None
+    """Backend of the run's process groups (``None``: the default group's)."""
+    timeout: Optional[timedelta] = None
+    broadcast: Callable[[Any], Any] = _broadcast_object
+    """Rank 0's object on every rank (collective)."""
+    info: Callable[[str], None] = log.info
+    """Informs, on rank 0 only."""
+    warn: Callable[[str], None] = warnings.warn
+    """Warns, on rank 0 only."""
+
+    @classmethod
+    def from_torch(cls, device: Optional[torch.device] = None, timeout: Optional[timedelta] = None) -> "SessionEnv":
+        """The env of a process started by ``torchrun`` (or one process without a group)."""
+        initialized = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if initialized else 1
+        rank = dist.get_rank() if initialized else 0
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if device is None:
+            on_cuda = initialized and dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+
+        def on_rank_zero(fn: Callable[[str], None]) -> Callable[[str], None]:
+            return fn if rank == 0 else (lambda message: None)
+
+        return cls(world_size=world, rank=rank, ranks_per_node=int(local) if local else None, device=device,
+                   timeout=timeout, info=on_rank_zero(log.info),
+                   warn=on_rank_zero(lambda message: warnings.warn(message, stacklevel=3)))
+
+
+class LayerwiseSession:
+    """One run of the layer-wise optimizer: wrap, step, checkpoint, release (see the module doc).
+
+    Args:
+        config: the settings (default: every default).
+        env: the launcher's view of this process; ``None``: :meth:`SessionEnv.from_torch` when first needed.
+        name: what errors call the settings' owner (the strategy class).
+    """
+
+    def __init__(self, config: Optional[LayerwiseConfig] = None, env: Optional[SessionEnv] = None, *,
+                 name: str = "LayerwiseSession") -> None:
+        self.config = config if config is not None else LayerwiseConfig(owner=name)
+        self._env = env
+        self.name = name
+        self.module: Optional[torch.nn.Module] = None
+        """The module being trained, not wrapped (kept after :meth:`release`)."""
+        self.optimizers: list[Optimizer] = []
+        self.wrapper: Optional[LayerwiseDataParallel] = None
+        self.groups: Optional[ProcessGroups] = None
+        """This run's process groups (``None`` before :meth:`wrap` and after :meth:`release`)."""
+        self.masters: Optional[MasterWeights] = None
+        self.master_weights = False  # whether the precision keeps float32 masters (bf16-true, 16-true)
+        self.sync_after_step = False
+        """Complete the all-gather inside each step (a compiled model, or readers between steps)."""
+        self.skipped_steps = 0
+        """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
+        self.steps = 0  # optimizer steps since wrapping, for replica_check_every
+        self._names: dict[torch.Tensor, str] = {}  # parameter (piece, master) -> checkpoint name; kept by release
+        self._expert_map: dict[str, str] = {}  # local -> global expert names (Note [expert checkpoints])
+        self._released_ownership: Optional[ckpt.Ownership] = None  # the last layout's, kept by release
+
+    # --- the environment ---------------------------------------------------------------------------------------------
+    @property
+    def env(self) -> SessionEnv:
+        if self._env is None:
+            self._env = SessionEnv.from_torch(timeout=self.config.timeout)
+        return self._env
+
+    @env.setter
+    def env(self, env: SessionEnv) -> None:
+        self._env = env
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        """Which experts this rank holds (position in its expert-parallel group): known before :meth:`wrap`,
+        so a model can build only its experts (Note [expert parallelism])."""
+        self._check_expert_parallel_size()
+        return self.env.rank % self.config.expert_parallel_size
+
+    # --- wrapping ----------------------------------------------------------------------------------------------------
+    def wrap(self, module: torch.nn.Module, optimizers: Union[Optimizer, Sequence[Optimizer]] = (), *,
+             master_weights: bool = False, elementwise: bool = True) -> LayerwiseDataParallel:
+        """Creates this run's process groups and wraps ``module`` (collective); returns the wrapper.
+
+        ``optimizers`` already hold ``module``'s parameters: the layout splits what they update
+        element-wise (unless ``elementwise=False``), and they get this rank's pieces. ``master_weights``:
+        the precision keeps half-precision parameters (``bf16-true``/``16-true``); the optimizers then step
+        float32 masters of what this rank owns."""
+        optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
+        self.module, self.optimizers, self.master_weights = module, optimizers, master_weights
+        self._released_ownership = None
+        self.masters = None
+        reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
+        predicate = self._elementwise_predicate() if elementwise else None
+        experts = self._expert_names()
+        E = self.config.expert_parallel_size
+        self._expert_map = expert_key_map(module, self.expert_parallel_rank) if E > 1 else {}
+        expert = (lambda name, p: name in experts) if experts else None
+        specs = layout_specs(module, elementwise=predicate, expert=expert)
+        owner_size, layout = self._plan(specs, expert is not None)
+        self.groups = ProcessGroups.create(
+            separate_all_gather=self.config.separate_all_gather_group, backend=self.env.backend,
+            timeout=self.env.timeout, owner_group_size=owner_size, expert_parallel_size=E)
+        c = self.config
+        self.wrapper = LayerwiseDataParallel(
+            module, process_groups=self.groups, bucket_size=c.bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
+            overlap_param_gather=c.overlap_param_gather is not False, prefetch_depth=c.prefetch_depth,
+            grad_reduce_dtype=self._grad_reduce_dtype(), broadcast_buffers=c.broadcast_buffers,
+            param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout)
+        for optimizer in optimizers:
+            self.wrapper.use_shards_in(optimizer)
+        self._after_optimizers()
+        return self.wrapper
+
+    def add_optimizer(self, optimizer: Optimizer) -> None:
+        """An optimizer made after :meth:`wrap` (its parameters are owned whole: the layout is fixed)."""
+        if self.wrapper is None:
+            raise RuntimeError(f"{self.name}: wrap the module before adding an optimizer.")
+        self.optimizers.append(optimizer)
+        self.wrapper.use_shards_in(optimizer)
+        self._after_optimizers()
+
+    def _after_optimizers(self) -> None:
+        """Master weights (made once, put in every optimizer) and checkpoint names."""
+        self.steps = 0
+        if self.master_weights and self.optimizers and self.wrapper is not None:
+            if self.masters is None:
+                self.masters = MasterWeights(self.wrapper, self._global_name)
+            for optimizer in self.optimizers:
+                self.masters.use_in(optimizer)
+        self._names = self._checkpoint_names()
+
+    def _plan(self, specs, has_experts: bool) -> tuple[int, Optional[Layout]]:
+        """The owner group size and its layout, planned once (Note [choosing the owner group size] in layout.py).
+
+        Experts are planned over their expert data-parallel group whatever the owner group is, as the wrapper
+        runs them, so they do not sway the choice."""
+        c, world = self.config, self.env.world_size
+        E = c.expert_parallel_size
+        expert_dp = world // E if has_experts and E > 1 else None
+        g, layout = world, None
+        if c.owner_group_size not in (None, "auto"):
+            if world % c.owner_group_size:
+                raise ValueError(f"{self.name}(owner_group_size={c.owner_group_size}) does not divide the {world} "
+                                 f"ranks of this run; pass a divisor of {world} (e.g. the GPUs per node), 'auto' or "
+                                 "None.")
+            g = c.owner_group_size
+        elif c.owner_group_size == "auto" and self.env.ranks_per_node and world > self.env.ranks_per_node and specs:
+            grad_dtype = self._grad_reduce_dtype()
+            g, layout = choose_owner_group_size(
+                specs, world, c.bucket_size, ranks_per_node=self.env.ranks_per_node,
+                grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None, expert_dp=expert_dp)
+            if g != world:
+                self.env.info(f"{self.name}: owner groups of {g} ranks (owner_group_size='auto'; {world // g} "
+                              "groups).")
+        if layout is None and specs:  # no parameter to train: the wrapper says so
+            layout = plan_layout(specs, g, c.bucket_size, expert_dp=expert_dp)
+        return g, layout
+
+    def _check_expert_parallel_size(self) -> None:
+        E, world = self.config.expert_parallel_size, self.env.world_size
+        if world % E:
+            raise ValueError(f"{self.name}(expert_parallel_size={E}) does not divide the {world} ranks of this run; "
+                             f"pass a divisor of {world}.")
+
+    def _expert_names(self) -> frozenset:
+        """The expert parameters' names, after checking ``expert_parallel_size`` and the marks on every rank.
+
+        Every rank learns every rank's verdict (one ``all_gather_object``) before any group is
+        created, so a mark missing on one rank is the same error everywhere instead of a hang.
+        """
+        module, E = self.module, self.config.expert_parallel_size
+        self._check_expert_parallel_size()
+        error = None
+        try:
+            check_expert_marks(module, E)
+        except ValueError as e:
+            error = str(e)
+        names = expert_parameter_names(module)
+        if error is None and E > 1 and not names:
+            error = (f"{self.name}(expert_parallel_size={E}) but the model marks no experts: put each MoE layer's "
+                     "local experts in a container marked with lightning_layerwise.mark_experts.")
+        # A digest of the marked names, not the names: thousands of experts on a thousand ranks would
+        # otherwise gather megabytes per rank (on NCCL, in GPU memory).
+        digest = hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
+        verdicts = [(error, digest, len(names))]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            verdicts = [None] * dist.get_world_size()
+            dist.all_gather_object(verdicts, (error, digest, len(names)))
+        for rank, (their_error, _, _) in enumerate(verdicts):
+            if their_error is not None:
+                raise ValueError(f"rank {rank}: {their_error}")
+        for rank, (_, theirs, count) in enumerate(verdicts):
+            if theirs != digest:
+                raise ValueError(f"expert parameters are marked differently on rank {rank} ({count} marked) and rank "
+                                 f"{self.env.rank} ({len(names)} marked): mark the same containers with "
+                                 "lightning_layerwise.mark_experts on every rank.")
+        return names
+
+    def _elementwise_predicate(self) -> Optional[Callable[[str, torch.nn.Parameter], bool]]:
+        """Which parameters the layout may split: those every optimizer holding them updates element-wise."""
+        if not self.config.elementwise_fill or not self.optimizers:
+            return None
+        elementwise: set = set()
+        whole: set = set()
+        for optimizer in self.optimizers:
+            mine = elementwise_parameters(optimizer, self.config.elementwise_optimizers)
+            elementwise |= mine
+            whole |= {p for g in optimizer.param_groups for p in g["params"] if p not in mine}
+        elementwise -= whole
+        return lambda name, p: p in elementwise
+
+    def _grad_reduce_dtype(self) -> Optional[torch.dtype]:
+        if self.config.grad_reduce_dtype is not None:
+            return DTYPES[self.config.grad_reduce_dtype]
+        # bf16-true / 16-true: reduce and keep gradients in float32 for the float32 master weights.
+        return torch.float32 if self.master_weights else None
+
+    # --- steps -------------------------------------------------------------------------------------------------------
+    def before_backward(self) -> None:
+        """Every backward adds to the gradients until they are cleared (Note [gradient lifecycle])."""
+        if self.wrapper is not None:
+            self.wrapper.prepare_backward()
+
+    def after_backward(self) -> None:
+        """End of a backward that reduces (not inside ``no_sync``): owned parameters get their gradient."""
+        wrapper = self.wrapper
+        if wrapper is not None and wrapper.reduces_on_backward:
+            wrapper.finish_grad_sync()
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` between :meth:`before_backward` and :meth:`after_backward`."""
+        self.before_backward()
+        loss.backward(**kwargs)
+        self.after_backward()
+
+    def before_step(self, what: str = "optimizer.step()") -> None:
+        """No all-gather may still read the shards the step writes; the gradients must be reduced."""
+        wrapper = self.wrapper
+        if wrapper is None:
+            return
+        wrapper.finish_param_sync()
+        if wrapper.grads_pending:
+            raise RuntimeError(
+                f"strategy='layerwise': {what} with gradients that were never reduced: the last backward ran "
+                "inside no_sync (fabric.no_backward_sync / trainer.model.no_sync()) or bypassed the strategy (a "
+                "bare loss.backward() instead of self.manual_backward(loss) / fabric.backward(loss)). Run the "
+                "step's last backward through the strategy and outside no_sync.")
+
+    def after_step(self, optimizer: Optional[Optimizer] = None) -> None:
+        """Masters written back, the all-gather started (awaited by the next forward), replicas checked.
+
+        With several optimizers only the buckets holding ``optimizer``'s parameters are gathered."""
+        wrapper = self.wrapper
+        if wrapper is None:
+            return
+        if self.masters is not None:
+            self.masters.write_back()
+        stepped = None
+        if optimizer is not None and len(self.optimizers) > 1:
+            stepped = [t for g in optimizer.param_groups for t in g["params"]]
+        wrapper.start_param_sync(force_sync=self.sync_after_step or self._compiled_needs_sync(wrapper),
+                                 tensors=stepped)
+        self.steps += 1
+        every = self.config.replica_check_every
+        if every is not None and self.steps % every == 0:
+            wrapper.check_replicas()
+
+    def step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """:meth:`before_step`, ``optimizer.step()`` unless :meth:`skip_step` skips it, :meth:`after_step`."""
+        self.before_step()
+        if self.skip_step():
+            return None
+        output = optimizer.step() if closure is None else optimizer.step(closure)
+        self.after_step(optimizer)
+        return output
+
+    def grads_finite(self) -> bool:
+        """Whether every rank's reduced gradients are finite (one all-reduce; ``True`` when not wrapped)."""
+        return self.wrapper is None or self.wrapper.grads_are_finite()
+
+    def skip_step(self, step: Any = None) -> bool:
+        """With ``skip_nonfinite_steps``: whether this step is skipped on every rank (then noted); collective."""
+        if not self.config.skip_nonfinite_steps or self.wrapper is None or self.grads_finite():
+            return False
+        self.note_skipped_step(self.steps if step is None else step)
+        return True
+
+    def note_skipped_step(self, step: Any = None) -> None:
+        self.skipped_steps += 1
+        where = f" at step {step}" if step is not None else ""
+        self.env.warn(f"{self.name}(skip_nonfinite_steps=True): gradients hold inf or NaN{where}; the optimizer "
+                      f"step is skipped on every rank ({self.skipped_steps} skipped so far, strategy.skipped_steps).")
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                       parameters: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
+        """Clips by the norm of the full gradient (one all-reduce over the owned shards); returns that norm."""
+        return clip_grad_norm_(self._live_wrapper("gradient clipping"), max_norm, norm_type=norm_type,
+                               error_if_nonfinite=error_if_nonfinite, parameters=parameters)
+
+    def clip_grad_value(self, clip_val: float, parameters: Optional[Sequence[torch.Tensor]] = None) -> None:
+        clip_grad_value_(self._live_wrapper("gradient clipping"), clip_val, parameters=parameters)
+
+    def _live_wrapper(self, what: str) -> LayerwiseDataParallel:
+        if self.wrapper is None:
+            raise RuntimeError(f"{what} under strategy='layerwise' needs the model wrapped for fitting (setup has "
+                               "not run, or teardown already has).")
+        return self.wrapper
+
+    def _compiled_needs_sync(self, wrapper: LayerwiseDataParallel) -> bool:
+        """The wrapper itself ran compiled (Note [compiled wrapper]): under ``"auto"``, no overlap."""
+        overlap = self.config.overlap_param_gather
+        if not wrapper.compiled_forward or overlap is False:
+            return False
+        if overlap is True:
+            raise ValueError(f"{self.name}(overlap_param_gather=True) with a model compiled around the strategy's "
+                             "wrapper (fabric.setup of a torch.compile'd model): a graph traced while no all-gather "
+                             "was in flight would not wait for one. Use overlap_param_gather='auto' (the all-gather "
+                             "then completes inside each step) or False.")
+        return True
+
+    def sync_parameters(self) -> None:
+        """Waits until every rank holds the current parameters (no collective if already synced)."""
+        if self.wrapper is not None:
+            self.wrapper.finish_param_sync()
+
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+    @property
+    def save_format(self) -> CheckpointFormat:
+        """The format :meth:`save` writes (``checkpoint_format``)."""
+        return FORMATS[self.config.checkpoint_format]
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state keyed by parameter name, as :attr:`save_format` writes it (Note [checkpoint keys]
+        in ``checkpoint.py``); may be collective."""
+        return self.save_format.optimizer_state(self, optimizer)
+
+    def check_save(self, target: str, storage_options: Any = None, call: str = "save", has_model: bool = True) -> None:
+        """Refuses, before any work, a save :attr:`save_format` cannot make."""
+        if self.config.expert_parallel_size > 1 and not self.save_format.holds_every_expert:
+            # Rank 0 holds only its own experts; a full file would need every rank's gathered to it.
+            E = self.config.expert_parallel_size
+            raise ckpt.CheckpointError(
+                f"checkpoint_format={self.save_format.name!r} with expert_parallel_size={E} is not supported yet: "
+                "rank 0 holds only its own experts. Use checkpoint_format='sharded' (it reshards across "
+                "expert-parallel sizes) and `python -m lightning.pytorch.utilities.consolidate_checkpoint` for "
+                "one file.")
+        self.save_format.check_save(self, target, storage_options, call, has_model)
+
+    def save(self, target: str, checkpoint: Checkpoint, file_io: Any = None, storage_options: Any = None) -> None:
+        """Writes ``checkpoint`` to ``target`` (rank 0's path) in :attr:`save_format` (collective)."""
+        self.save_format.save(self, target, checkpoint, file_io if file_io is not None else ckpt.TorchFileIO(),
+                              storage_options)
+
+    def resolve_path(self, checkpoint_path: Any) -> Union[Path, str]:
+        """Rank 0's path; on a local filesystem, the previous checkpoint if a save replacing it was interrupted
+        (Note [atomic save]). A URL stays a string."""
+        target = self.env.broadcast(str(checkpoint_path))
+        if not ckpt.is_local_path(target):
+            return target
+        path = ckpt.resolve(Path(target))
+        if path != Path(target):
+            self.env.warn(f"{target!r} does not exist, but {str(path)!r} does: a save to {target!r} was interrupted "
+                          "while replacing it. Loading the previous checkpoint.")
+        return path
+
+    def read(self, path: Union[Path, str], n_optimizers: int = 0, strict: bool = True,
+             weights_only: Optional[bool] = None, strict_hint: str = "", file_io: Any = None,
+             memory_map: bool = True) -> Loaded:
+        """Reads a checkpoint from :meth:`resolve_path`'s ``path`` in the format found there (collective)."""
+        fmt = format_on_disk(path)
+        return fmt.read(self, path, n_optimizers=n_optimizers, strict=strict, weights_only=weights_only,
+                        strict_hint=strict_hint, file_io=file_io if file_io is not None else ckpt.TorchFileIO(),
+                        memory_map=memory_map)
+
+    def load_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Loads a full state dict into the wrapped module; every rank then holds it (and the masters equal it)."""
+        if self.config.expert_parallel_size > 1:
+            # A full file names every expert globally; this rank's module holds only its own, under local names.
+            raise ckpt.CheckpointError(
+                f"loading a full checkpoint file with expert_parallel_size={self.config.expert_parallel_size} is "
+                "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
+        self.sync_parameters()
+        self.module.load_state_dict(state_dict, strict=strict)
+        self.after_model_load()
+
+    def after_model_load(self) -> None:
+        """Every rank holds the loaded parameters, and the masters equal them."""
+        if self.wrapper is not None:
+            self.wrapper.start_param_sync(force_sync=True)
+        if self.masters is not None:
+            self.masters.refresh()
+
+    def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
+        """Loads saved optimizer states (named or indexed, any layout): each rank keeps what it steps now."""
+        if len(states) != len(optimizers):
+            raise ckpt.CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
+                                       f"configures {len(optimizers)}.")
+        names = self._names or self._checkpoint_names()
+        keep = self.ownership().reads  # another rank steps the rest: state exists once in the world
+        pieces = self._pieces()
+        for optimizer, saved in zip(optimizers, states):
+            local = ckpt.local_optimizer_state(saved, optimizer, names, keep, pieces,
+                                               is_expert=expert_key_predicate(self.module))
+            local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off a memory-mapped file
+            optimizer.load_state_dict(local)
+            _optimizer_to_device(optimizer, self.env.device)
+            if self.masters is not None and saved.get("master_weights"):
+                self.masters.load_state_dict(saved["master_weights"])
+
+    @contextlib.contextmanager
+    def naming_failures(self, phase: str):
+        """Re-raises a failure inside a checkpoint collective with the phase and this rank named."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:
+            raise ckpt.CheckpointError(
+                f"{phase} failed on rank {self.env.rank} of {self.env.world_size} ({type(error).__name__}: "
+                f"{str(error)[:300]}). If another rank died or hung, its log has the first error. The previous "
+                "checkpoint is intact: saves are written aside and renamed into place when complete.") from error
+
+    def ownership(self) -> ckpt.Ownership:
+        """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in checkpoint.py)."""
+        if self.wrapper is None and self._released_ownership is not None:
+            # After training: the optimizer still steps the pieces of the released layout.
+            return self._released_ownership
+        names = self._names or self._checkpoint_names()
+        masters = [m for _, m in self.masters.pairs] if self.masters is not None else []
+        tensors = self.module.state_dict(keep_vars=True)
+        in_layout = set() if self.wrapper is None else {p for p, _ in self.wrapper.named_parameters_in_layout()}
+        expert_outside = [t for k, t in tensors.items() if k in self._expert_map and t not in in_layout]
+        return ckpt.Ownership.of(self.wrapper, names, self.is_global_zero, masters, self._global_name, expert_outside)
+
+    def _pieces(self) -> dict[torch.Tensor, tuple[Any, tuple[int, ...]]]:
+        """This rank's piece of each split parameter: ``{piece parameter: (Piece, full shape)}``."""
+        wrapper = self.wrapper
+        if wrapper is None:
+            return {}
+        return {shard: (wrapper.piece_of(p), tuple(p.shape)) for p, _ in wrapper.named_parameters_in_layout()
+                for shard in [wrapper.shard_of(p)] if shard is not None}
+
+    def _global_name(self, key: str) -> str:
+        """A parameter's or state-dict key's name in checkpoints (Note [expert checkpoints] in checkpoint.py)."""
+        return self._expert_map.get(key, key)
+
+    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` (this rank's module) with expert keys under their global names."""
+        return {self._global_name(k): v for k, v in state_dict.items()} if self._expert_map else state_dict
+
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state, keyed by checkpoint name, with its masters."""
+        named = ckpt.named_optimizer_state(optimizer, self._names or self._checkpoint_names())
+        if self.masters is not None:
+            named["master_weights"] = self.masters.state_dict(optimizer)
+        return named
+
+    def _checkpoint_names(self) -> dict[torch.Tensor, str]:
+        """Every parameter (its piece, its float32 master) by the name checkpoints use for it."""
+        names: dict[torch.Tensor, str] = {p: n for n, p in self.module.named_parameters()}
+        if self.wrapper is not None:
+            names.update((shard, n) for n, shard in self.wrapper.named_owned_parameters())
+        if self.masters is not None:
+            names.update(self.masters.names)
+        return {t: self._global_name(n) for t, n in names.items()} if self._expert_map else names
+
+    def layout_meta(self) -> dict[str, Any]:
+        """What a sharded checkpoint records of the layout it was written under."""
+        return {"world_size": self.env.world_size, "bucket_size": self.config.bucket_size,
+                "owner_group_size": self.groups.owner_size if self.groups else self.env.world_size,
+                "expert_parallel_size": self.config.expert_parallel_size}
+
+    def save_checkpoint(self, path: Any, **extra: Any) -> None:
+        """A plain loop's checkpoint: the model, every optimizer and ``extra`` (e.g. ``step=100``), in
+        ``checkpoint_format`` (collective). The keys are the Trainer's (``state_dict``, ``optimizer_states``),
+        so a full file opens with ``torch.load(path)["state_dict"]``."""
+        target = self.env.broadcast(str(path))
+        self.check_save(target, None, f"{self.name}.save_checkpoint", has_model=self.module is not None)
+        self.sync_parameters()
+        model_state = self.module.state_dict()
+        optimizer_states = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
+        whole = {"state_dict": model_state, "optimizer_states": optimizer_states, **extra}
+        self.save(target, Checkpoint(whole, model_state, optimizer_states, dict(extra)))
+
+    def load_checkpoint(self, path: Any, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Restores what :meth:`save_checkpoint` wrote, in either format and at any world size, into the wrapped
+        module and its optimizers (collective); returns the ``extra`` values."""
+        loaded = self.read(self.resolve_path(path), n_optimizers=len(self.optimizers), strict=strict,
+                           weights_only=weights_only, strict_hint="Pass strict=False to load the keys that match.")
+        state = dict(loaded.state)
+        if loaded.model_loaded:
+            optimizer_states = loaded.optimizer_states or []
+        else:
+            if "state_dict" not in state:
+                raise ckpt.CheckpointError(f"{str(path)!r} holds no 'state_dict': it was not written by "
+                                           "save_checkpoint or a Lightning Trainer.")
+            self.load_model_state(state.pop("state_dict"), strict=strict)
+            optimizer_states = state.pop("optimizer_states", [])
+        if self.optimizers:
+            self.load_optimizer_states(self.optimizers, optimizer_states)
+        state.pop("layerwise", None)
+        return state
+
+    # --- the end -----------------------------------------------------------------------------------------------------
+    def release(self) -> Optional[torch.nn.Module]:
+        """Unwraps the module and destroys this run's groups; returns the module (``None`` if not wrapped).
+
+        Also called from inside an exception handler after a failed run. If a collective failed (a dead
+        rank), waiting for the pending ones raises the same error again and hides the original traceback:
+        then they are abandoned instead. A checkpoint saved afterwards still writes the last layout's parts.
+        """
+        failing = sys.exc_info()[0] is not None
+        wrapper = self.wrapper
+        module = None
+        if wrapper is not None:
+            self._released_ownership = self.ownership()
+            try:
+                module = wrapper.release()
+            except Exception:
+                if not failing:
+                    raise
+                module = wrapper.release(wait=False)
+            self.wrapper = None
+            self.masters = None
+        if self.groups is not None:
+            # Communicators (and gloo's threads) made for this run end with it: none outlives the run or
+            # reaches interpreter exit (where a live one can abort the process).
+            try:
+                self.groups.destroy()
+            except Exception:
+                if not failing:
+                    raise
+            self.groups = None
+        return module
+
+
+def is_compiled(module) -> bool:
+    """Whether ``module`` (or a submodule) is ``torch.compile``d."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    optimized = getattr(optimized, "OptimizedModule", None)
+    return optimized is not None and any(isinstance(m, optimized) for m in module.modules())
+
+
+def _own_copy(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _own_copy(v) for k, v in value.items()}
+    return value
+
+
+def _optimizer_to_device(optimizer: Optimizer, device: torch.device) -> None:
+    """Moves the optimizer state to ``device``, leaving ``step`` counters where they are (as Lightning does)."""
+    for p, state in optimizer.state.items():
+        for key, value in list(state.items()):
+            if key != "step" and torch.is_tensor(value):
+                state[key] = value.to(device)
