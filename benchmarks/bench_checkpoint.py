@@ -4,6 +4,9 @@ Run from the repository root (about 2 minutes on 2 CPU cores)::
 
     .venv/bin/python benchmarks/bench_checkpoint.py
     .venv/bin/python benchmarks/bench_checkpoint.py --worlds 2 4 --n-layer 8 --n-embd 512 --optimizer adamw
+    # a model at checkpoint_format="auto"'s limit (512 MiB of parameters), about 5 minutes
+    .venv/bin/python benchmarks/bench_checkpoint.py --worlds 2 --n-layer 12 --n-embd 960 --n-head 12 \
+        --result benchmarks/results/checkpoint_cpu_at_limit.json
 
 For each world size and format, fresh processes (gloo, one thread each) train
 the example GPT (``examples/gpt.py``, random tokens) for 2 steps under
@@ -209,12 +212,13 @@ def run(args) -> None:
             print(f"| {r['format']} | {r['world']} | {rank} | {share:.0f} | {x['save_peak_rss_delta'] / mib:.0f} | "
                   f"{x['save_seconds']:.2f} | {x['load_peak_rss_delta'] / mib:.0f} | {x['load_seconds']:.2f} | "
                   f"{r['checkpoint_bytes'] / mib:.0f} |")
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+    result = Path(args.result) if args.result else RESULT
+    result.parent.mkdir(parents=True, exist_ok=True)
+    result.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                               "load_average": os.getloadavg()},
                                   "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
                                   "results": results}, indent=1))
-    print(f"\nwrote {RESULT.relative_to(ROOT)}")
+    print(f"\nwrote {result}")
 
 
 def main() -> None:
@@ -226,6 +230,7 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--result", help=f"the JSON to write (default {RESULT.relative_to(ROOT)})")
     parser.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--format", default="sharded", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)

@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-chars", type=int, default=2_000_000)
     p.add_argument("--lr", type=float, default=0.02, help="Muon's learning rate")
     p.add_argument("--adamw-lr", type=float, default=3e-3, help="the AdamW groups' learning rate")
-    p.add_argument("--checkpoint-format", default="sharded", choices=["sharded", "full"])
+    p.add_argument("--checkpoint-format", default="auto", choices=["auto", "sharded", "full"])
     p.add_argument("--out", default="runs/fabric", help="where checkpoints go")
     p.add_argument("--resume", default=None, help="a checkpoint written by this script (any world size)")
     p.add_argument("--seed", type=int, default=1234)

@@ -1,5 +1,13 @@
-"""``python -m lightning_layerwise``: print the layout report of a model (see ``layout._main``)."""
+"""``python -m lightning_layerwise``: the layout report of a model (``layout._main``), or
+``python -m lightning_layerwise consolidate SRC DST``: a sharded checkpoint as one file."""
 
-from .layout import _main
+import sys
 
-_main()
+if len(sys.argv) > 1 and sys.argv[1] == "consolidate":
+    from .checkpoint import _consolidate_main
+
+    _consolidate_main(sys.argv[2:])
+else:
+    from .layout import _main
+
+    _main()

@@ -114,7 +114,9 @@ FORMAT = "lightning_layerwise.sharded"
 FORMAT_VERSION = 1
 META_FILENAME = "meta.pt"  # the name Lightning's sharded checkpoints and consolidate_checkpoint use
 DCP_METADATA_FILENAME = ".metadata"
+README_FILENAME = "README.txt"  # for whoever finds the directory where one file was expected
 MODEL_KEY = "model"
+CONSOLIDATE_COMMAND = "python -m lightning_layerwise consolidate"
 
 
 @dataclass(frozen=True)
@@ -679,9 +681,72 @@ def save_sharded(path: Path, state: dict[str, Any], meta: Optional[dict[str, Any
         torch.save(meta, tmp / META_FILENAME)
         with open(tmp / META_FILENAME, "rb") as f:
             os.fsync(f.fileno())
+        (tmp / README_FILENAME).write_text(readme_text(path.name))
         commit(tmp, path)
     if distributed:
         dist.barrier(group)
+
+
+def readme_text(name: str) -> str:
+    """What a sharded checkpoint directory says of itself (``README.txt``)."""
+    return (f"{name} is a sharded lightning-layerwise checkpoint: each rank wrote the parameters\n"
+            "it owned and their optimizer state (torch.distributed.checkpoint files), and rank 0\n"
+            "wrote meta.pt.\n\n"
+            "Resume it with strategy=\"layerwise\" at any number of processes:\n\n"
+            f"    trainer.fit(model, ckpt_path=\"{name}\")     # or fabric.load(\"{name}\", state)\n\n"
+            "LightningModule.load_from_checkpoint, strategy=\"ddp\" and torch.load read one file.\n"
+            "Convert it first (one process, no GPU needed):\n\n"
+            f"    {CONSOLIDATE_COMMAND} {name} {Path(name).stem}.full.ckpt\n")
+
+
+def consolidate(src: Path, dst: Path, weights_only: Optional[bool] = None) -> Path:
+    """Converts the sharded checkpoint ``src`` into one file ``dst`` (one process, no process group).
+
+    The file is what ``checkpoint_format="full"`` would have written: a Trainer checkpoint (``state_dict``,
+    ``optimizer_states`` and the rest of ``meta.pt``), or for a ``fabric.save`` directory the keys Fabric saved
+    under. Tensors are read whole, pieces joined; written aside and renamed into place (Note [atomic save]).
+    """
+    src, dst = resolve(Path(src)), Path(dst)
+    meta, metadata = read_sharded_metadata(src, weights_only)
+    state = nest({path: empty_like_item(item) for path, item in checkpoint_items(metadata).items()})
+    load_sharded(src, state, weights_only=weights_only)
+    record = meta.pop("layerwise", {})
+    optimizers = [state.get(optimizer_key(i)) for i in range(len(state)) if optimizer_key(i) in state]
+    fabric = record.get("fabric")
+    if fabric:
+        out = {fabric["module"]: state.get(MODEL_KEY, {}), **dict(zip(fabric.get("optimizers", []), optimizers)),
+               **meta}
+    else:
+        out = {"state_dict": state.get(MODEL_KEY, {}), **({"optimizer_states": optimizers} if optimizers else {}),
+               **meta}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(dst)
+    torch.save(out, partial)
+    commit(partial, dst)
+    return dst
+
+
+def _consolidate_main(argv: Optional[list[str]] = None) -> None:
+    """``python -m lightning_layerwise consolidate SRC DST``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=CONSOLIDATE_COMMAND, description=(
+        "Convert a sharded lightning-layerwise checkpoint directory into one file that "
+        "LightningModule.load_from_checkpoint, strategy='ddp' and torch.load read."))
+    parser.add_argument("src", help="the sharded checkpoint directory")
+    parser.add_argument("dst", help="the file to write")
+    parser.add_argument("--trust-pickles", action="store_true", help=(
+        "read Python objects in meta.pt with torch.load(weights_only=False) (e.g. hyperparameters of a class "
+        "of your own); only for checkpoints you trust"))
+    args = parser.parse_args(argv)
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch.distributed.checkpoint's ShardedTensor notice
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process is the intent
+    if not Path(args.src).is_dir():
+        parser.error(f"{args.src!r} is not a directory; a sharded checkpoint is one (a file needs no conversion).")
+    dst = consolidate(Path(args.src), Path(args.dst), weights_only=False if args.trust_pickles else None)
+    print(f"wrote {dst} ({dst.stat().st_size / 2**20:.1f} MiB)")
 
 
 def load_meta(file: Path, weights_only: Optional[bool] = None) -> Any:

@@ -45,8 +45,9 @@ class LayerwiseConfig:
     """Dtype of the gradient buffers and reduce-scatter; ``None``: the parameter dtype."""
     broadcast_buffers: bool = True
     """Broadcast module buffers from rank 0 at every training forward, as ``ddp`` does."""
-    checkpoint_format: Literal["sharded", "full"] = "sharded"
-    """A directory each rank writes its part of, or one file written by rank 0."""
+    checkpoint_format: Literal["auto", "sharded", "full"] = "auto"
+    """``"auto"``: one file for a model of at most ``formats.AUTO_FULL_LIMIT`` bytes, else sharded; ``"sharded"``: a
+    directory each rank writes its part of; ``"full"``: one file written by rank 0."""
     replica_check_every: Optional[int] = None
     """Every this many optimizer steps, check that all ranks hold bitwise-equal parameters."""
     skip_nonfinite_steps: bool = False
@@ -82,9 +83,10 @@ class LayerwiseConfig:
         if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in DTYPES:
             raise ValueError(f"{cls}(grad_reduce_dtype={self.grad_reduce_dtype!r}): use one of {sorted(DTYPES)} or "
                              "None (the parameter dtype).")
-        if self.checkpoint_format not in ("sharded", "full"):
-            raise ValueError(f"{cls}(checkpoint_format={self.checkpoint_format!r}): use 'sharded' (a directory, each "
-                             "rank writes what it owns) or 'full' (one file written by rank 0).")
+        if self.checkpoint_format not in ("auto", "sharded", "full"):
+            raise ValueError(f"{cls}(checkpoint_format={self.checkpoint_format!r}): use 'auto' (one file for a model "
+                             "of up to 512 MiB, else a directory), 'sharded' (a directory, each rank writes what it "
+                             "owns) or 'full' (one file written by rank 0).")
         if self.replica_check_every is not None and not _is_count(self.replica_check_every):
             raise ValueError(f"{cls}(replica_check_every={self.replica_check_every!r}): pass a number of optimizer "
                              "steps >= 1 (e.g. 100), or None to never check.")

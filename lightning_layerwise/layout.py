@@ -1139,6 +1139,8 @@ def _main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_layerwise",
         description="Print the shard-aligned layout (padding, buckets, per-rank cost) of a model.",
+        epilog="Also: python -m lightning_layerwise consolidate SRC DST writes a sharded checkpoint directory "
+               "as one file (for load_from_checkpoint, strategy='ddp', torch.load).",
     )
     parser.add_argument("model", nargs="?", default="examples.gpt:example_gpt",
                         help="'module:callable' returning an nn.Module when called with no "

@@ -415,8 +415,8 @@ class LayerwiseSession:
     # --- checkpoints -------------------------------------------------------------------------------------------------
     @property
     def save_format(self) -> CheckpointFormat:
-        """The format :meth:`save` writes (``checkpoint_format``)."""
-        return FORMATS[self.config.checkpoint_format]
+        """The format :meth:`save` writes now (``checkpoint_format``; ``"auto"`` decides by the model's size)."""
+        return FORMATS[self.config.checkpoint_format].resolve(self)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer``'s state keyed by parameter name, as :attr:`save_format` writes it (Note [checkpoint keys]
@@ -431,8 +431,7 @@ class LayerwiseSession:
             raise ckpt.CheckpointError(
                 f"checkpoint_format={self.save_format.name!r} with expert_parallel_size={E} is not supported yet: "
                 "rank 0 holds only its own experts. Use checkpoint_format='sharded' (it reshards across "
-                "expert-parallel sizes) and `python -m lightning.pytorch.utilities.consolidate_checkpoint` for "
-                "one file.")
+                "expert-parallel sizes) and `python -m lightning_layerwise consolidate` for one file.")
         self.save_format.check_save(self, target, storage_options, call, has_model)
 
     def save(self, target: str, checkpoint: Checkpoint, file_io: Any = None, storage_options: Any = None) -> None:

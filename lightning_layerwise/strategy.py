@@ -101,13 +101,17 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             (``"float32"``, ``"bfloat16"``, ``"float16"``); default: the parameter dtype.
         broadcast_buffers: broadcast module buffers from rank 0 at every training
             forward, as ``ddp`` does.
-        checkpoint_format: ``"sharded"`` (default): a directory written with
-            ``torch.distributed.checkpoint`` in which each rank writes the parameters it
-            owns and their optimizer state, keyed by parameter name, plus Lightning's
-            ``meta.pt``. ``"full"``: rank 0 writes one ordinary Lightning checkpoint file
-            with the full model and the optimizer state gathered to it, keyed by
-            parameter name (loadable by ``ddp`` and ``load_from_checkpoint``). Both
-            resume at any world size and bucket size; see docs/checkpointing.md.
+        checkpoint_format: ``"auto"`` (default): ``"full"`` for a model whose parameters and
+            buffers take at most 512 MiB (GPT-2 124M in float32), so that the checkpoint
+            ``ModelCheckpoint`` writes opens with ``load_from_checkpoint``, ``torch.load`` and
+            under ``ddp``; ``"sharded"`` above that (or with expert parallelism).
+            ``"sharded"``: a directory written with ``torch.distributed.checkpoint`` in
+            which each rank writes the parameters it owns and their optimizer state, keyed by
+            parameter name, plus Lightning's ``meta.pt`` and a ``README.txt`` naming
+            ``python -m lightning_layerwise consolidate DIR FILE``. ``"full"``: rank 0
+            writes one ordinary Lightning checkpoint file with the full model and the
+            optimizer state gathered to it, keyed by parameter name. Both resume at any
+            world size and bucket size; see docs/checkpointing.md.
         replica_check_every: every this many optimizer steps, check right after the
             all-gather that all ranks hold bitwise-equal parameters (one all-gather of one
             checksum per bucket; Note [replica check] in ``data_parallel.py``) and stop
@@ -165,7 +169,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         separate_all_gather_group: bool = True,
         grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
         broadcast_buffers: bool = True,
-        checkpoint_format: Literal["sharded", "full"] = "sharded",
+        checkpoint_format: Literal["auto", "sharded", "full"] = "auto",
         replica_check_every: Optional[int] = None,
         skip_nonfinite_steps: bool = False,
         elementwise_fill: bool = True,

@@ -518,7 +518,8 @@ def _bf16_worker(rank, world, dirpath, ckpt_path, bucket_size):
     callbacks = [] if ckpt_path else [ModelCheckpoint(dirpath=dirpath, filename="{step}",
                                                       every_n_train_steps=STEPS, save_top_k=-1)]
     trainer = L.Trainer(accelerator="cpu", devices=world, precision="bf16-true", max_steps=2 * STEPS, logger=False,
-                        strategy=llw.LayerwiseStrategy(bucket_size=bucket_size), callbacks=callbacks,
+                        strategy=llw.LayerwiseStrategy(bucket_size=bucket_size, checkpoint_format="sharded"),
+                        callbacks=callbacks,
                         enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False)
     trainer.fit(model, loader(), ckpt_path=ckpt_path)

@@ -352,7 +352,7 @@ def test_a_sharded_checkpoint_of_a_newer_format_version(tmp_path):
 
 
 def test_storage_options_for_a_sharded_save_are_refused(tmp_path):
-    strategy = llw.LayerwiseStrategy()
+    strategy = llw.LayerwiseStrategy(checkpoint_format="sharded")
     with pytest.raises(TypeError, match=r"^LayerwiseStrategy\(checkpoint_format='sharded'\)\.save_checkpoint\(\.\.\., "
                                         r"storage_options=\.\.\.\) is not supported: .*Use checkpoint_format='full' "
                                         r"for a CheckpointIO plugin\.$"):
@@ -456,8 +456,9 @@ def test_a_url_goes_to_its_filesystem_or_is_refused(loads, fmt):
     seen, _ = loads
     if fmt == "sharded":
         assert seen[fmt, "url save"] == (
-            "ValueError: LayerwiseStrategy(checkpoint_format='sharded') writes to a local or mounted filesystem, "
-            "not 'memory://bucket/sharded.ckpt'; use checkpoint_format='full' for remote storage."), seen[fmt, "url save"]
+            "ValueError: LayerwiseStrategy(checkpoint_format='sharded') writes a sharded directory to a local or "
+            "mounted filesystem, not 'memory://bucket/sharded.ckpt'; use checkpoint_format='full' for remote "
+            "storage."), seen[fmt, "url save"]
     else:
         assert seen[fmt, "url save"] == "ok"
     assert not seen[fmt, "url save wrote locally"]
