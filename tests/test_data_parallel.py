@@ -466,6 +466,23 @@ def test_buffers_and_parameters_broadcast_from_rank0():
     assert not torch.equal(results[0][2][0], results[0][2][1]), "statistics did move between forwards"
 
 
+def _replaced_buffer_worker(rank, world):
+    model = nn.Sequential(nn.Linear(3, 6), nn.BatchNorm1d(6))
+    ddp = LayerwiseDataParallel(model)
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(m.running_mean.clone()))
+    ddp(torch.randn(4, 3))
+    model[1].running_mean = torch.full((6,), float(rank + 1))  # a new buffer object, after a forward
+    ddp(torch.randn(4, 3))
+    return seen[1]
+
+
+def test_a_buffer_replaced_after_wrapping_is_broadcast_too():
+    """The broadcast reads each module's buffers at every forward, not a list made at wrapping."""
+    for seen in run_distributed(_replaced_buffer_worker, 2):
+        assert torch.equal(seen, torch.ones(6))
+
+
 class MixedNet(nn.Module):
     def __init__(self):
         super().__init__()
