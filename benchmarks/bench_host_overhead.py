@@ -123,12 +123,12 @@ class HookProbe:
         probe = cls()
         original = llw.LayerwiseDataParallel._on_grad_ready
 
-        def timed_hook(wrapper: llw.LayerwiseDataParallel, param: nn.Parameter) -> None:
+        def timed_hook(wrapper: llw.LayerwiseDataParallel, param: nn.Parameter, **kwargs) -> None:
             if not probe.enabled:
-                return original(wrapper, param)
+                return original(wrapper, param, **kwargs)
             t0 = time.perf_counter()
             try:
-                return original(wrapper, param)
+                return original(wrapper, param, **kwargs)
             finally:
                 probe.seconds += time.perf_counter() - t0
                 probe.calls += 1

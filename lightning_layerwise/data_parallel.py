@@ -4,8 +4,8 @@
 driven by its owner (the Lightning strategy, Fabric, or a plain loop)::
 
     out = wrapper(batch)             # pre-hooks wait for each bucket's all-gather
-    out.loss.backward()              # hooks add grads into the grad buffer and
-                                     # dispatch a bucket's reduce-scatter when complete
+    out.loss.backward()              # autograd adds grads into the grad buffer in place;
+                                     # hooks dispatch a bucket's reduce-scatter when complete
     wrapper.finish_grad_sync()       # wait; owned params get .grad, others None
     optimizer.step()                 # any torch optimizer: steps only owned params
     wrapper.start_param_sync()       # async all-gather from each rank's shard
@@ -134,6 +134,17 @@ Note [gradient lifecycle]
     still the gradient handed out. Fabric refuses a bare ``backward`` anyway, and
     the Trainer's hooks always go through the strategy.
 
+    Note [in-place gradients]: a restart before a backward makes each
+    parameter's slot of the zeroed buffer its ``.grad`` (where the buffer has the
+    parameter's dtype and the optimizer steps the parameter itself, not a piece
+    or a master), so autograd adds every gradient straight into the bucket, as
+    ``ddp``'s ``gradient_as_bucket_view`` does: no per-parameter copy, and the
+    hook only marks the bucket. Other parameters, and a ``.grad`` that arrives
+    as a new tensor (cleared meanwhile, or ``backward(create_graph=True)``, which
+    sums out of place: then it already includes the slot and is copied, not
+    added), take the copy path. After the sync every ``.grad`` but those handed
+    out is ``None`` again, so between steps nothing differs from the copy path.
+
     A unit whose optimizer-side tensor (a piece or a master) has
     ``requires_grad=False`` gets no gradient, as the model parameter would not
     under ``ddp``: ``LightningModule.toggle_optimizer`` switches off the tensors
@@ -146,6 +157,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import hashlib
 import math
 import time
@@ -226,6 +238,22 @@ class GradUnit:
     def stepped(self) -> torch.Tensor:
         """The tensor the optimizer holds for this unit."""
         return self.master if self.master is not None else self.tensor
+
+
+class _GradRecord:
+    """One parameter's gradient path, bound to its hook so the hook looks nothing up (Note [in-place gradients])."""
+
+    __slots__ = ("param", "view", "bucket", "inplace", "assigned")
+
+    def __init__(self, param: nn.Parameter, view: torch.Tensor, bucket: Bucket) -> None:
+        self.param = param
+        self.view = view
+        """Its slot of the grad buffer, strided as the parameter."""
+        self.bucket = bucket
+        self.inplace = False
+        """Autograd may accumulate into ``view`` (same dtype; the optimizer steps the parameter itself)."""
+        self.assigned = False
+        """``view`` was made the parameter's ``.grad`` at the last restart (or by the hook since)."""
 
 
 _LIVE: dict[int, "weakref.ref[LayerwiseDataParallel]"] = {}
@@ -437,6 +465,8 @@ class LayerwiseDataParallel(nn.Module):
                 self._units.append(GradUnit(p, self._shards[p], self._shard_grad_views[p], self._bucket_of[p]))
         self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
         self._unit_of.update((u.param, u) for u in self._units)
+        self._records: dict[nn.Parameter, _GradRecord] = {
+            p: _GradRecord(p, self._grad_views[p], self._bucket_of[p]) for p in self._param_names}
         self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
         self._refresh_stepped_apart()
         self._handed: dict[nn.Parameter, torch.Tensor] = {}  # param -> the .grad tensor the last sync gave it
@@ -451,8 +481,10 @@ class LayerwiseDataParallel(nn.Module):
 
         grad_utils.install()
 
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._param_names]
-        self._hook_handles += self._register_forward_pre_hooks()
+        self._hook_handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, rec=rec))
+                              for p, rec in self._records.items()]
+        if self.process_groups.dp is not None:  # one process gathers nothing: no forward ever waits
+            self._hook_handles += self._register_forward_pre_hooks()
 
     def _rank_for(self, name: str) -> int:
         """This rank's position among the owners of parameter ``name``'s buffer."""
@@ -587,7 +619,7 @@ class LayerwiseDataParallel(nn.Module):
         A reduce-scatter still in flight (a step abandoned after its backward) is waited
         for first: its collective reads and writes the buffer being zeroed.
         """
-        self._restart_accumulation(carry=False)
+        self._restart_accumulation(carry=False, assign=False)
 
     def prepare_backward(self) -> None:
         """Call before a backward: after a sync, restarts accumulation (Note [gradient lifecycle]).
@@ -599,7 +631,9 @@ class LayerwiseDataParallel(nn.Module):
         if self._grads_handed_out:
             self._restart_accumulation(carry=True)
 
-    def _restart_accumulation(self, carry: bool) -> None:
+    def _restart_accumulation(self, carry: bool, assign: bool = True) -> None:
+        """``assign``: a backward follows, so the slots become the ``.grad`` it adds into (Note [in-place
+        gradients]); otherwise every ``.grad`` is ``None``."""
         self._wait_pending_reduces()
         carried: list[GradUnit] = []
         if carry and self._grads_handed_out:
@@ -621,8 +655,10 @@ class LayerwiseDataParallel(nn.Module):
                     if unit.bucket is bucket and id(unit) not in keep:
                         unit.slot.zero_()  # a cleared gradient is not carried
                 self._carry.append((own, own.clone()))
-        for p in self._param_names:
-            p.grad = None
+        for p, rec in self._records.items():
+            # Note [in-place gradients]: autograd adds the next gradients straight into the (zeroed) slot.
+            rec.assigned = assign and rec.inplace and p.requires_grad
+            p.grad = rec.view if rec.assigned else None
             if hasattr(p, "main_grad"):
                 del p.main_grad
         for unit in self._stepped_apart.values():  # pieces and masters: the other units are parameters
@@ -655,9 +691,14 @@ class LayerwiseDataParallel(nn.Module):
                 self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
 
-    def _on_grad_ready(self, param: nn.Parameter) -> None:
+    def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord | None = None) -> None:
+        if rec is None:
+            rec = self._records[param]
         grad = param.grad
-        param.grad = None  # autograd must never accumulate into a gradient the wrapper handed out
+        view = rec.view
+        in_place = grad is view and rec.assigned  # autograd added into the slot (Note [in-place gradients])
+        if not in_place:
+            param.grad = None  # autograd must never accumulate into a gradient the wrapper handed out
         if self._grads_handed_out:
             if grad is not None and grad is self._handed.get(param):
                 raise RuntimeError(
@@ -667,18 +708,21 @@ class LayerwiseDataParallel(nn.Module):
                     "one. Run backward through the strategy, call wrapper.prepare_backward() before "
                     "loss.backward(), or clear the gradients first (optimizer.zero_grad())."
                 )
+            assigned = rec.assigned
             self.prepare_backward()
+            rec.assigned = assigned  # this gradient arrived before the restart: as it was then
         if grad is None:
             return
         if grad.is_sparse:
             raise RuntimeError(
                 f"{self._param_names[param]!r} received a sparse gradient (an embedding looked up with "
                 "sparse=True); strategy='layerwise' reduces dense gradient buckets. Use sparse=False.")
-        apart = self._stepped_apart.get(param)
-        if apart is not None and not apart.stepped.requires_grad:
-            # Switched off on the optimizer's tensor (toggle_optimizer): see Note [gradient lifecycle].
-            return
-        bucket = self._bucket_of[param]
+        if not rec.inplace:
+            apart = self._stepped_apart.get(param)
+            if apart is not None and not apart.stepped.requires_grad:
+                # Switched off on the optimizer's tensor (toggle_optimizer): see Note [gradient lifecycle].
+                return
+        bucket = rec.bucket
         if bucket.grads_state is not BucketState.ACCUMULATING:
             name = self._param_names[param]
             raise RuntimeError(
@@ -691,7 +735,15 @@ class LayerwiseDataParallel(nn.Module):
             flag = self._split_flag.get(param)
             if flag is not None:
                 flag.fill_(1.0)
-        self._grad_views[param].add_(grad)
+        if not in_place:
+            if rec.assigned and torch.is_grad_enabled():
+                # backward(create_graph=True) sums out of place: the new .grad already holds the slot's value.
+                view.copy_(grad.detach())
+            else:
+                view.add_(grad)
+            rec.assigned = rec.inplace and param.requires_grad
+            if rec.assigned:
+                param.grad = view  # later backward passes of this accumulation add in place
         if not self._micro_batch_is_last:
             return
         bucket.ready.add(id(param))
@@ -750,8 +802,9 @@ class LayerwiseDataParallel(nn.Module):
             own.add_(carried)
         self._carry = []
         used = self._split_parameters_used()
-        for param in self._param_names:
+        for param, rec in self._records.items():
             param.grad = None
+            rec.assigned = False
         for unit in self._units:
             param = unit.param
             if param in self._shards:
@@ -792,6 +845,8 @@ class LayerwiseDataParallel(nn.Module):
 
     def _refresh_stepped_apart(self) -> None:
         self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
+        for p, rec in self._records.items():
+            rec.inplace = rec.view.dtype == p.dtype and p not in self._stepped_apart
 
     def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""

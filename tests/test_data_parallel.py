@@ -620,3 +620,68 @@ def test_a_sparse_gradient_is_refused_by_name():
     wrapper = LayerwiseDataParallel(Functional(), process_groups=ProcessGroups.single())
     with pytest.raises(RuntimeError, match=r"'table' received a sparse gradient.*sparse=False"):
         wrapper(torch.tensor([1, 2])).backward()
+
+
+# --- Note [in-place gradients] ----------------------------------------------------------------------------------
+
+
+def _mlp_and_batches():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    return model, [torch.randn(4, 6, generator=g) for _ in range(3)]
+
+
+def test_gradients_accumulate_in_place_in_the_bucket():
+    """After a restart each parameter's .grad is its slot of the grad buffer, and autograd adds into it: no
+    micro-batch leaves a gradient outside the buffer; the result equals plain accumulation exactly."""
+    model, batches = _mlp_and_batches()
+    plain = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    storages = {flat.grads.untyped_storage().data_ptr() for flat in wrapper._flat_buffers}
+    wrapper.prepare_backward()
+    wrapper.finish_grad_sync()  # a sync with no backward, so the next prepare restarts with the slots
+    wrapper.prepare_backward()
+    for p in model.parameters():  # autograd's first gradient already lands in the bucket
+        assert p.grad is not None and p.grad.untyped_storage().data_ptr() in storages and not p.grad.any()
+    with wrapper.no_sync():
+        for x in batches[:2]:
+            wrapper(x).square().mean().backward()
+            for p in model.parameters():
+                assert p.grad is not None and p.grad.untyped_storage().data_ptr() in storages
+    wrapper(batches[2]).square().mean().backward()
+    wrapper.finish_grad_sync()
+    for x in batches:
+        torch.func.functional_call(model, dict(zip([n for n, _ in model.named_parameters()], plain)), (x,)) \
+            .square().mean().backward()
+    for p, q in zip(model.parameters(), plain):
+        assert torch.equal(p.grad, q.grad)
+    wrapper.release()
+
+
+def test_backward_with_create_graph_adds_each_gradient_once():
+    """``backward(create_graph=True)`` sums out of place into a new .grad that already holds the slot's value:
+    copied into the slot, not added again."""
+    model, batches = _mlp_and_batches()
+    want = [torch.zeros_like(p) for p in model.parameters()]
+    reference = [p.detach().clone() for p in model.parameters()]
+    wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    wrapper.prepare_backward()
+    wrapper.finish_grad_sync()
+    wrapper.prepare_backward()
+    with wrapper.no_sync():
+        for x in batches[:2]:
+            wrapper(x).square().mean().backward(create_graph=True)
+    wrapper(batches[2]).square().mean().backward(create_graph=True)
+    wrapper.finish_grad_sync()
+    names = [n for n, _ in model.named_parameters()]
+    for x in batches:
+        params = [r.clone().requires_grad_() for r in reference]
+        loss = torch.func.functional_call(model, dict(zip(names, params)), (x,)).square().mean()
+        for w, g in zip(want, torch.autograd.grad(loss, params)):
+            w += g
+    for p, w in zip(model.parameters(), want):
+        assert torch.allclose(p.grad, w, rtol=1e-6, atol=1e-7), (p.grad - w).abs().max()
+    for p in model.parameters():
+        p.grad = None  # create_graph leaves a reference cycle between a parameter and its gradient
+    wrapper.release()
