@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -86,28 +87,66 @@ def muon_cost(model: ModelShapes, spec: ParamSpec) -> float:
 
 def balance(model: ModelShapes, layout: Layout, dp: int) -> float:
     """Busiest rank's Newton–Schulz cost over ``max(largest matrix cost, total / dp)`` (Muon matrices are whole)."""
-    per_rank = [0.0] * layout.dp
+    per_rank = [0.0] * layout.ranks
     costs = {s.name: muon_cost(model, s) for s in model.specs}
     for name, slot in layout.params.items():
         per_rank[slot.owner] += costs[name]
-    bound = max(max(costs.values()), sum(costs.values()) / dp)
-    return max(per_rank) / bound
+    return max(per_rank) / ns_bound(list(costs.values()), dp)
+
+
+def ns_bound(costs: list[float], dp: int) -> float:
+    """The least busiest-rank Newton–Schulz cost any placement of whole matrices could reach, as
+    simple bounds give it: ``max(largest matrix, total / dp)``."""
+    return max(max(costs), sum(costs) / dp)
+
+
+def bins_needed(costs: list[float], capacity: float) -> int:
+    """Martello and Toth's L2 lower bound on the ranks needed to hold ``costs`` (whole) with at most
+    ``capacity`` each: for each threshold ``a <= capacity / 2``, the items above ``capacity - a`` each need a
+    rank alone, those above half need one each, and the items between ``a`` and half fill what those leave
+    free before they need ranks of their own."""
+    half = capacity / 2
+    big = [c for c in costs if c > half]
+    best = len(big)
+    for a in sorted({c for c in costs if c <= half} | {0.0}):
+        alone = sum(1 for c in big if c > capacity - a)
+        paired = [c for c in big if c <= capacity - a]
+        small = sum(c for c in costs if a <= c <= half)
+        room = len(paired) * capacity - sum(paired)
+        best = max(best, alone + len(paired) + max(0, math.ceil((small - room) / capacity - 1e-9)))
+    return best
+
+
+def ns_floor(costs: list[float], dp: int) -> float:
+    """The least busiest-rank cost any placement of these whole matrices on ``dp`` ranks can have, from
+    below: the smallest capacity at which :func:`bins_needed` fits ``dp`` ranks (bisection to 0.1%)."""
+    costs = [c for c in costs if c > 0]
+    lo = hi = ns_bound(costs, dp)
+    while bins_needed(costs, hi) > dp:
+        hi *= 1.25
+    while hi - lo > 1e-3 * lo:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if bins_needed(costs, mid) <= dp else (mid, hi)
+    return lo
 
 
 def memory(model: ModelShapes, layout: Layout, dp: int) -> dict[str, float]:
     """The busiest rank's bytes against an unpadded element-wise ZeRO-1 at ``dp`` ranks: in all
-    (``total``) and per part (param buffer and grad buffer, whose ratio is the same, and optimizer state)."""
+    (``total``) and per part (param buffer and grad buffer, whose ratio is the same, and optimizer state,
+    against its ``1/dp`` share and against the least a whole-matrix placement can hold, ``state_bound``:
+    that share or one whole Muon matrix's state, whichever is larger)."""
     muon = {s.name: model.uses_muon(s) for s in model.specs}
-    state = [0.0] * layout.dp
+    state = [0.0] * layout.ranks
     for name, slot in layout.params.items():
         per_element = MUON_STATE_BYTES if muon[name] else ADAMW_STATE_BYTES
         for piece in slot.pieces:
             state[piece.owner] += piece.numel * per_element
     total_state = sum(s.numel * (MUON_STATE_BYTES if muon[s.name] else ADAMW_STATE_BYTES) for s in model.specs)
+    largest = max((s.numel * MUON_STATE_BYTES for s in model.specs if muon[s.name]), default=0)
     ours = layout.total_numel * (PARAM_BYTES + GRAD_BYTES) + max(state)
     ideal = model.numel * (PARAM_BYTES + GRAD_BYTES) + total_state / dp
     return {"total": ours / ideal, "buffers": layout.total_numel / model.numel,
-            "state": max(state) / (total_state / dp)}
+            "state": max(state) / (total_state / dp), "state_bound": max(state) / max(total_state / dp, largest)}
 
 
 def memory_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
@@ -115,11 +154,21 @@ def memory_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
 
 
 def bytes_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
-    """Ring bytes sent per rank per step against ddp's gradient all-reduce, all in one dtype."""
-    g, replicas, total = layout.dp, dp // layout.dp, layout.total_numel
-    ours = 2 * (g - 1) / g * total + 2 * (replicas - 1) / replicas * total / g  # RS + AG in groups, AR across
-    ddp = 2 * (dp - 1) / dp * model.numel
-    return ours / ddp
+    """Bytes the busiest rank sends per step against ddp's gradient all-reduce, all in one dtype.
+
+    Inside the owner group a ring reduce-scatter and all-gather of each bucket, ``2 (g-1)/g`` of it. Across
+    the replicas the uneven reduce-scatter and all-gather of the shard's chunks (Note [replica sharing]): a
+    ring reduce to each chunk's replica, then a ring broadcast from it, in which every other replica sends
+    that chunk once, so replica ``k`` sends ``2 (shard - its chunk)``."""
+    g, replicas = layout.dp, layout.replicas
+    sent = [0.0] * (g * replicas)
+    for plan in layout.buffers:
+        for b in plan.buckets:
+            group = 2 * (g - 1) / g * b.numel
+            for p in range(g):
+                for k, (lo, hi) in enumerate(b.chunk_ranges(p)):
+                    sent[k * g + p] += group + 2 * (b.shard_size - (hi - lo)) * (replicas > 1)
+    return max(sent) / (2 * (dp - 1) / dp * model.numel)
 
 
 def time_planning(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> tuple[int, Layout, float]:
@@ -135,16 +184,22 @@ def time_planning(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -
 
 
 def measure(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> dict:
-    """One row at ``dp`` ranks."""
+    """One row at ``dp`` ranks, and the same group size without replica sharing (every owner group steps
+    its whole shard, as before Note [replica sharing])."""
     g, layout, seconds = time_planning(model, dp, bucket_size, repeats)
-    before = plan_layout(model.specs, dp, bucket_size, routed_cost(model))  # whole ownership, one group
+    unshared = plan_layout(model.routed_specs(), g, bucket_size, routed_cost(model))
+    parts = memory(model, layout, dp)
+    costs = [muon_cost(model, s) for s in model.specs]
     return {"model": model.name, "dp": dp, "params": model.numel, "muon_matrices": model.muon_matrices,
-            "g": g, "padding": layout.padding_fraction, "padding_before": before.padding_fraction,
-            "memory_ratio": memory_ratio(model, layout, dp), "memory_ratio_before": memory_ratio(model, before, dp),
-            "buffers_ratio": memory(model, layout, dp)["buffers"], "state_ratio": memory(model, layout, dp)["state"],
-            "bytes_ratio": bytes_ratio(model, layout, dp), "bytes_ratio_before": bytes_ratio(model, before, dp),
-            "ns_balance": balance(model, layout, dp), "ns_balance_before": balance(model, before, dp),
-            "plan_s": seconds, "split_params": sum(s.split for s in layout.params.values())}
+            "g": g, "replicas": layout.replicas, "padding": layout.padding_fraction,
+            "memory_ratio": parts["total"], "buffers_ratio": parts["buffers"], "state_ratio": parts["state"],
+            "state_bound_ratio": parts["state_bound"], "bytes_ratio": bytes_ratio(model, layout, dp),
+            "ns_balance": balance(model, layout, dp), "ns_floor": ns_floor(costs, dp) / ns_bound(costs, dp),
+            "plan_s": seconds, "split_params": sum(s.split for s in layout.params.values()),
+            "ns_balance_unshared": balance(model, unshared, dp),
+            "state_ratio_unshared": memory(model, unshared, dp)["state"],
+            "state_bound_ratio_unshared": memory(model, unshared, dp)["state_bound"],
+            "memory_ratio_unshared": memory(model, unshared, dp)["total"]}
 
 
 EXPERT_ROWS = (("mixtral-8x7b", 8), ("deepseek-v3", 8), ("deepseek-v3", 64))
@@ -155,43 +210,97 @@ def _expert_index(name: str) -> int:
     return int(name.split("experts.")[1].split(".")[0])
 
 
-def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int) -> dict:
+def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repeats: int = 1) -> dict:
     """One rank's layouts with expert parallelism (Note [expert parallelism]): its dense parameters planned
-    as in the main table, its ``n/E`` local experts per layer in a buffer planned for the ``dp/E`` ranks of
-    its expert data-parallel group."""
+    as in the main table, its ``n/E`` local experts per layer planned inside the ``D = dp/E`` ranks of its
+    expert data-parallel group (an expert owner group of ``g_e``, its ``D / g_e`` replicas sharing the
+    stepping: Note [expert owner groups]), as ``choose_owner_group_size`` plans them with the expert marks.
+
+    Against ``ddp`` with expert parallelism (dense gradients all-reduced over ``dp``, expert gradients over
+    ``D``) and an unpadded element-wise ZeRO-1 of the same (dense state over ``dp`` ranks, expert state over
+    ``D``). The busiest rank's state is taken as the busiest dense owner's plus the busiest expert owner's."""
     cost = routed_cost(model)
-    dense = [s for s in model.routed_specs() if s.kind != "expert"]
     experts = [s for s in model.routed_specs() if s.kind == "expert"]
     per_layer = 1 + max(_expert_index(s.name) for s in experts)
-    local = [s for s in experts if _expert_index(s.name) < per_layer // E]  # expert-parallel rank 0's
-    t0 = time.perf_counter()
-    g, dense_layout = choose_owner_group_size(dense, dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
-                                              grad_bytes=GRAD_BYTES)
-    expert_layout = plan_layout(local, dp // E, bucket_size, cost)
-    seconds = time.perf_counter() - t0
+    local_names = {s.name for s in experts if _expert_index(s.name) < per_layer // E}  # expert-parallel rank 0's
+    specs = [s for s in model.routed_specs() if s.kind != "expert" or s.name in local_names]
+    D = dp // E
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        g, layout = choose_owner_group_size(specs, dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
+                                            grad_bytes=GRAD_BYTES, expert_dp=D)
+        times.append(time.perf_counter() - t0)
+    muon = {s.name: model.uses_muon(s) for s in specs}
+    state_bytes = {n: MUON_STATE_BYTES if muon[n] else ADAMW_STATE_BYTES for n in muon}
+    numel = {s.name: s.numel for s in specs}
+    by_name = {s.name: s for s in specs}
+    out = {"model": model.name, "dp": dp, "E": E, "expert_dp": D, "g": g, "replicas": layout.replicas,
+           "g_e": layout.expert_group_size, "expert_replicas": layout.expert_replicas,
+           "local_experts": len(local_names), "plan_s": statistics.median(times)}
+    ours_buffers, ideal_buffers, ours_state, ideal_state, sent, ddp_bytes = 0, 0, 0.0, 0.0, 0.0, 0.0
+    for kind, ranks in (("dense", dp), ("expert", D)):
+        names = [s.name for s in specs if (s.kind == "expert") == (kind == "expert")]
+        plans = [p for p in layout.buffers if p.kind == kind]
+        elements = sum(p.numel for p in plans)
+        params = sum(numel[n] for n in names)
+        state = [0.0] * ranks
+        ns = [0.0] * ranks
+        for n in names:
+            for piece in layout.params[n].pieces:
+                state[piece.owner] += piece.numel * state_bytes[n]
+                ns[piece.owner] += muon_cost(model, by_name[n]) * piece.numel / numel[n]
+        costs = [muon_cost(model, by_name[n]) for n in names]
+        ours_buffers += elements
+        ideal_buffers += params
+        ours_state += max(state)
+        ideal_state += sum(numel[n] * state_bytes[n] for n in names) / ranks
+        g_kind = plans[0].dp if plans else 1
+        replicas = ranks // g_kind
+        per_rank = [0.0] * ranks
+        for plan in plans:
+            for b in plan.buckets:
+                for p in range(g_kind):
+                    for k, (lo, hi) in enumerate(b.chunk_ranges(p)):
+                        per_rank[k * g_kind + p] += 2 * (g_kind - 1) / g_kind * b.numel \
+                            + 2 * (b.shard_size - (hi - lo)) * (replicas > 1)
+        sent += max(per_rank)
+        ddp_bytes += 2 * (ranks - 1) / ranks * params
+        out[f"{kind}_padding"] = 1 - params / elements if elements else 0.0
+        out[f"{kind}_ns"] = max(ns) / ns_bound(costs, ranks)
+        out[f"{kind}_ns_floor"] = ns_floor(costs, ranks) / ns_bound(costs, ranks)
+    out["memory_ratio"] = (ours_buffers * (PARAM_BYTES + GRAD_BYTES) + ours_state) / \
+        (ideal_buffers * (PARAM_BYTES + GRAD_BYTES) + ideal_state)
+    out["state_ratio"] = ours_state / ideal_state
+    out["bytes_ratio"] = sent / ddp_bytes
+    return out
 
-    def ns(layout: Layout, specs: list[ParamSpec]) -> float:
-        costs = {s.name: muon_cost(model, s) for s in specs}
-        per_rank = [0.0] * layout.dp
-        for name, slot in layout.params.items():
-            per_rank[slot.owner] += costs[name]
-        bound = max(max(costs.values()), sum(costs.values()) / layout.dp)
-        return max(per_rank) / bound
 
-    return {"model": model.name, "dp": dp, "E": E, "expert_dp": dp // E, "g": g, "local_experts": len(local),
-            "dense_padding": dense_layout.padding_fraction, "expert_padding": expert_layout.padding_fraction,
-            "dense_ns": ns(dense_layout, dense), "expert_ns": ns(expert_layout, local), "plan_s": seconds}
+def expert_verdict(row: dict) -> str:
+    misses = [name for name, value, target in (("memory", row["memory_ratio"], MEMORY_TARGET),
+                                               ("bytes", row["bytes_ratio"], BYTES_TARGET),
+                                               ("dense NS", row["dense_ns"], BALANCE_TARGET),
+                                               ("expert NS", row["expert_ns"], BALANCE_TARGET),
+                                               ("plan", row["plan_s"], PLANNING_TARGET_S)) if value > target]
+    for kind in ("dense", "expert"):
+        if f"{kind} NS" in misses and row[f"{kind}_ns_floor"] > BALANCE_TARGET:
+            misses[misses.index(f"{kind} NS")] = (f"{kind} NS (no placement of whole matrices reaches it: "
+                                                  f"floor {row[f'{kind}_ns_floor']:.3f})")
+    return "met" if not misses else "missed: " + ", ".join(misses)
 
 
 def expert_table(rows: list[dict]) -> str:
-    head = ["model", "dp", "E", "expert DP", "dense g", "expert tensors per rank", "dense padding",
-            "expert padding", "dense NS / bound", "expert NS / bound", "plan s"]
+    head = ["model", "dp", "E", "expert DP", "dense g x R", "expert g_e x R_e", "expert tensors per rank",
+            "dense padding", "expert padding", "memory / ideal", "opt state / ideal", "bytes / ddp",
+            "dense NS / bound", "expert NS / bound", "plan s", "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["model"], str(r["dp"]), str(r["E"]), str(r["expert_dp"]), str(r["g"]), f"{r['local_experts']:,}",
-            f"{100 * r['dense_padding']:.2f}%", f"{100 * r['expert_padding']:.2f}%", f"{r['dense_ns']:.3f}",
-            f"{r['expert_ns']:.3f}", f"{r['plan_s']:.2f}"]) + " |")
+            r["model"], str(r["dp"]), str(r["E"]), str(r["expert_dp"]), f"{r['g']} x {r['replicas']}",
+            f"{r['g_e']} x {r['expert_replicas']}", f"{r['local_experts']:,}", f"{100 * r['dense_padding']:.2f}%",
+            f"{100 * r['expert_padding']:.2f}%", f"{r['memory_ratio']:.3f}", f"{r['state_ratio']:.2f}",
+            f"{r['bytes_ratio']:.3f}", f"{r['dense_ns']:.3f}", f"{r['expert_ns']:.3f}", f"{r['plan_s']:.2f}",
+            expert_verdict(r)]) + " |")
     return "\n".join(lines)
 
 
@@ -200,19 +309,22 @@ def verdict(row: dict) -> str:
                                                ("bytes", row["bytes_ratio"], BYTES_TARGET),
                                                ("NS", row["ns_balance"], BALANCE_TARGET),
                                                ("plan", row["plan_s"], PLANNING_TARGET_S)) if value > target]
+    if "NS" in misses and row["ns_floor"] > BALANCE_TARGET:
+        misses[misses.index("NS")] = f"NS (no placement of whole matrices reaches it: floor {row['ns_floor']:.3f})"
     return "met" if not misses else "missed: " + ", ".join(misses)
 
 
 def table(rows: list[dict]) -> str:
-    head = ["model", "dp", "g", "padding", "memory / ideal", "param, grad buffer / ideal", "opt state / ideal",
-            "bytes / ddp", "NS / bound", "plan s",
-            "padding, whole, g = dp", "memory / ideal, whole", "bytes / ddp, whole", "targets"]
+    head = ["model", "dp", "g", "R", "padding", "memory / ideal", "param, grad buffer / ideal",
+            "opt state / ideal (1/dp)", "opt state / bound", "bytes / ddp", "NS / bound", "NS floor / bound",
+            "plan s", "NS / bound, unshared", "opt state / ideal, unshared", "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["model"], str(r["dp"]), str(r["g"]), f"{100 * r['padding']:.2f}%", f"{r['memory_ratio']:.3f}",
-                 f"{r['buffers_ratio']:.3f}", f"{r['state_ratio']:.2f}", f"{r['bytes_ratio']:.3f}", f"{r['ns_balance']:.3f}", f"{r['plan_s']:.2f}",
-                 f"{100 * r['padding_before']:.2f}%", f"{r['memory_ratio_before']:.2f}",
-                 f"{r['bytes_ratio_before']:.2f}", verdict(r)]
+        cells = [r["model"], str(r["dp"]), str(r["g"]), str(r["replicas"]), f"{100 * r['padding']:.2f}%",
+                 f"{r['memory_ratio']:.3f}", f"{r['buffers_ratio']:.3f}", f"{r['state_ratio']:.2f}",
+                 f"{r['state_bound_ratio']:.2f}", f"{r['bytes_ratio']:.3f}", f"{r['ns_balance']:.3f}",
+                 f"{r['ns_floor']:.3f}", f"{r['plan_s']:.2f}", f"{r['ns_balance_unshared']:.3f}",
+                 f"{r['state_ratio_unshared']:.2f}", verdict(r)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -238,17 +350,17 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
-    panels = [("padding", 100, "padding (% of buffer; dotted: whole ownership, g = dp)", None, True),
+    panels = [("state_bound_ratio", 1, "busiest rank's optimizer state / its bound", None, True),
               ("memory_ratio", 1, "busiest rank's memory / ideal ZeRO-1", MEMORY_TARGET, True),
-              ("bytes_ratio", 1, "bytes sent per step / ddp all-reduce", BYTES_TARGET, True),
-              ("ns_balance", 1, "busiest rank's Newton–Schulz / bound", BALANCE_TARGET, False)]
+              ("bytes_ratio", 1, "bytes sent per step / ddp all-reduce", BYTES_TARGET, False),
+              ("ns_balance", 1, "busiest rank's Newton–Schulz / bound", BALANCE_TARGET, True)]
     for name in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == name]
         dps = [r["dp"] for r in mine]
         for ax, (key, scale, title, target, before) in zip(axes, panels):
             line, = ax.plot(dps, [scale * r[key] for r in mine], marker="o", label=name)
             if before:
-                ax.plot(dps, [scale * r[key + "_before"] for r in mine], ls=":", color=line.get_color())
+                ax.plot(dps, [scale * r[key + "_unshared"] for r in mine], ls=":", color=line.get_color())
     for ax, (key, _, title, target, _) in zip(axes, panels):
         if target is not None:
             ax.axhline(target, color="k", lw=0.8, ls="--", label=f"target {target}")
@@ -258,13 +370,12 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_xticks(ticks, [str(d) for d in ticks])
         ax.set_xlabel("dp (ranks)")
         ax.grid(alpha=0.3)
-    axes[0].set_yscale("symlog", linthresh=1)
-    axes[0].set_ylim(bottom=0)
+    axes[0].set_yscale("log")
     axes[1].set_yscale("log")
-    axes[2].set_yscale("log")
+    axes[3].set_yscale("log")
     axes[3].legend(fontsize=8)
-    fig.suptitle("Layouts of published models: element-wise fill, owner_group_size='auto' (solid) "
-                 "vs whole ownership in one group (dotted)")
+    fig.suptitle("Layouts of published models, owner_group_size='auto': owner groups sharing the optimizer "
+                 "step (solid) vs each group stepping its whole shard (dotted)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -300,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"memory={r['memory_ratio']:.3f} bytes={r['bytes_ratio']:.3f} ns={r['ns_balance']:.3f} "
                   f"plan={r['plan_s']:.2f}s", file=sys.stderr, flush=True)
     text = table(rows)
-    expert_rows = [measure_experts(model_shapes(name), dp, E, args.bucket_size)
+    expert_rows = [measure_experts(model_shapes(name), dp, E, args.bucket_size, args.repeats)
                    for name, E in EXPERT_ROWS if name in args.models for dp in args.dp if dp % E == 0 and dp > E]
     experts_text = expert_table(expert_rows)
     print(text)

@@ -31,8 +31,8 @@ one of ``LayerwiseStrategy``'s defaults: element-wise fill and the owner group
 size ``g`` of ``choose_owner_group_size``, planned with this projection's
 per-parameter time as cost; the busiest rank sets the step; gradients
 reduce-scattered and parameters all-gathered inside the owner group over the
-whole buffer, padding included, and owned shards all-reduced across the
-``dp / g`` groups), ``ddp_muon`` (every
+whole buffer, padding included, and each shard's chunks reduce-scattered and
+all-gathered across the ``dp / g`` groups that share its stepping), ``ddp_muon`` (every
 rank orthogonalizes every matrix; gradients all-reduced) and ``ddp_adamw``.
 Optimizer state per rank: fp32 master weight + exp_avg + exp_avg_sq (12 bytes)
 per AdamW element, fp32 master weight + momentum (8 bytes) per Muon element,
@@ -128,7 +128,7 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
     by_name = {s.name: s for s in model.specs}
     g, layout = choose_owner_group_size(model.routed_specs(), dp, bucket_size, cost=lambda s: seconds[s.name],
                                         ranks_per_node=hw.gpus_per_node, grad_bytes=hw.grad_bytes)
-    owned_s, owned_state = [0.0] * g, [0.0] * g
+    owned_s, owned_state = [0.0] * layout.ranks, [0.0] * layout.ranks
     for name, slot in layout.params.items():
         for piece in slot.pieces:  # AdamW parameters are split across ranks (element-wise fill)
             share = piece.numel / slot.numel
@@ -138,17 +138,19 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
     ns_all = sum(seconds[s.name] for s in model.specs)
     adamw_all = numel * ADAMW_BYTES_PER_ELEMENT / hw.hbm_bytes_per_s
     all_reduce = ring_seconds(numel, hw.grad_bytes, dp, hw, 2)
-    # Inside the owner group of g ranks: reduce-scatter and all-gather; across the dp/g groups: all-reduce
-    # of the owned shard (over links as slow as the whole world's).
+    # Inside the owner group of g ranks: reduce-scatter and all-gather; across the dp/g groups (Note [replica
+    # sharing]): the uneven reduce-scatter of the shard's gradient into chunks and all-gather of the chunks'
+    # parameters, (R-1)/R of the shard each in a ring (over links as slow as the whole world's).
     replicas = dp // g
     rs_ag = (ring_seconds(layout.total_numel, hw.grad_bytes, g, hw, 1)
              + ring_seconds(layout.total_numel, hw.param_bytes, g, hw, 1))
     if replicas > 1:
-        rs_ag += 2 * (replicas - 1) / replicas * layout.total_numel / g * hw.grad_bytes / hw.bus_bytes_per_s(dp)
+        rs_ag += ((replicas - 1) / replicas * layout.total_numel / g * (hw.grad_bytes + hw.param_bytes)
+                  / hw.bus_bytes_per_s(dp))
     return {
         "model": model.name, "dp": dp, "g": g, "padding": layout.padding_fraction,
         "optimizer_s": {"layerwise_muon": max(owned_s), "ddp_muon": ns_all, "ddp_adamw": adamw_all},
-        "optimizer_s_mean_rank_layerwise": sum(owned_s) / g,
+        "optimizer_s_mean_rank_layerwise": sum(owned_s) / layout.ranks,
         "comm_s": {"layerwise_muon": rs_ag, "ddp_muon": all_reduce, "ddp_adamw": all_reduce},
         "optimizer_state_bytes": {
             "layerwise_muon": max(owned_state),

@@ -138,12 +138,9 @@ class Ownership:
     split: Mapping[str, Any] = field(default_factory=dict)
     """The layout slot of every split parameter, by name (Note [pieces in checkpoints])."""
     rank: int = 0
-    """This rank's position in its owner group: which pieces it steps."""
+    """Which pieces this rank steps (:attr:`~lightning_layerwise.LayerwiseDataParallel.layout_rank`)."""
     group_ranks: tuple[int, ...] = (0,)
-    """Global ranks of this rank's owner group, by position (where each piece lives)."""
-    writes_state: bool = True
-    """Whether this rank writes its optimizer state of dense parameters: only the first owner group
-    does (Note [owner groups] in process_groups.py); the others hold the same values."""
+    """Global ranks of the ranks owning pieces, by owner index (where each piece lives)."""
     expert_names: frozenset = frozenset()
     """Names of the expert parameters this rank holds, in a model holding every expert (Note [expert
     checkpoints]); their state is always written by their owner."""
@@ -182,11 +179,12 @@ class Ownership:
         split = {rename(n): slots[n] for n in local.values() if slots[n].split}
         partly = [p for p, n in local.items() if slots[n].split and wrapper.shard_of(p) is not None]
         first = [p for p in partly if slots[local[p]].pieces[0].owner == wrapper._rank_for(local[p])]
-        first_group = groups.replica_rank == 0
-        written = [t for t in stepped + first + masters if first_group or names.get(t) in expert_names]
+        # Each element is stepped, and written, by one rank of the world, owner groups or not (Note [replica
+        # sharing] in layout.py).
+        written = stepped + first + masters
         return cls(frozenset(list(local) + stepped), frozenset(stepped + partly + masters), frozenset(written),
                    frozenset(rename(n) for n, _ in wrapper.named_owned_parameters()), is_global_zero, split,
-                   wrapper.owner_rank, global_ranks(groups.owner_group), first_group, expert_names,
+                   wrapper.layout_rank, global_ranks(wrapper.layout_group), expert_names,
                    wrapper.expert_dp_rank, global_ranks(groups.expert_dp) if experts else (0,),
                    frozenset(expert_outside), experts and wrapper.expert_dp_rank == 0)
 
@@ -295,16 +293,6 @@ def pieces_as_sharded_tensors(named: dict[str, Any], ownership: Ownership) -> di
     if "master_weights" in named:
         out["master_weights"] = {n: convert(n, v) for n, v in named["master_weights"].items()}
     return out
-
-
-def state_to_write(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:
-    """``named`` without its dense state and masters on a rank outside the first owner group, which
-    holds copies of what the first group writes (Note [owner groups] in process_groups.py). Expert
-    state is kept: experts are owned in their expert data-parallel group, once in the world."""
-    if ownership.writes_state:
-        return named
-    return {k: ({n: x for n, x in v.items() if n in ownership.expert_names} if k in _MERGED_KEYS else v)
-            for k, v in named.items()}
 
 
 def mark_pieces(named: dict[str, Any], ownership: Ownership) -> dict[str, Any]:

@@ -269,6 +269,75 @@ def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op
     return Collective(bucket, work if async_op else None)
 
 
+def _even(ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``ranges`` are the equal consecutive shards ``tensor.chunk(len(ranges))`` would give."""
+    length = ranges[0][1] - ranges[0][0]
+    return all(a == i * length and b == a + length for i, (a, b) in enumerate(ranges))
+
+
+class _Works:
+    """Several work handles waited as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.works = []
+
+
+def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], group: ProcessGroup | None,
+                          async_op: bool = True, average: bool = False) -> Collective:
+    """Sums (averages, Note [averaging]) ``tensor`` over ``group`` into chunk ``rank`` of it, in place.
+
+    ``ranges[r]`` is group rank ``r``'s chunk, ``[start, end)`` of ``tensor``; the chunks tile it in any
+    order and may differ in length or be empty (Note [replica sharing] in ``layout.py``). Equal consecutive
+    chunks take the single-tensor reduce-scatter; others the list form, which NCCL runs as one grouped
+    reduce per chunk and gloo natively. Returns the chunk.
+    """
+    rank = 0 if group is None else dist.get_rank(group)
+    mine = tensor[ranges[rank][0]:ranges[rank][1]]
+    if group is None:
+        return Collective(mine, None)
+    if _even(ranges) and ranges[-1][1] == tensor.numel():
+        return reduce_scatter_bucket(tensor, group, async_op, average)
+    in_reduction = average and supports_average(group)
+    op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
+    inputs = [tensor[a:b] for a, b in ranges]
+    work = _issue(group, lambda a: dist.reduce_scatter(mine, inputs, op=op, group=group, async_op=a), async_op)
+    result = Collective(mine, work if async_op else None,
+                        divide_by=dist.get_world_size(group) if average and not in_reduction else None)
+    if not async_op:
+        result.wait()
+    return result
+
+
+def all_gather_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], group: ProcessGroup | None,
+                      async_op: bool = True) -> Collective:
+    """Fills every chunk ``ranges[r]`` of ``tensor`` from group rank ``r``, in place (the chunks as in
+    :func:`reduce_scatter_chunks`). Equal consecutive chunks take the single-tensor all-gather; uneven ones
+    the list form on NCCL (grouped broadcasts) and one broadcast per non-empty chunk elsewhere (gloo's
+    all-gather needs equal sizes)."""
+    if group is None:
+        return Collective(tensor, None)
+    if _even(ranges) and ranges[-1][1] == tensor.numel():
+        return all_gather_bucket(tensor, group, async_op)
+    rank = dist.get_rank(group)
+    chunks = [tensor[a:b] for a, b in ranges]
+    if dist.get_backend(group) == "nccl":
+        work = _issue(group, lambda a: dist.all_gather(chunks, chunks[rank], group=group, async_op=a), async_op)
+        return Collective(tensor, work if async_op else None)
+    works = []
+    for r, chunk in enumerate(chunks):
+        if chunk.numel():
+            src = dist.get_global_rank(group, r)
+            works.append(_issue(group, lambda a, c=chunk, s=src: dist.broadcast(c, src=s, group=group, async_op=a),
+                                async_op))
+    return Collective(tensor, _Works(works) if async_op else None)
+
+
 def all_gather_stacked(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Every rank's ``tensor`` stacked along a new first dimension, in group rank order (synchronously)."""
     if group is None:

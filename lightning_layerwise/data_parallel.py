@@ -209,15 +209,37 @@ class Bucket:
     rank: int = 0
     expert: bool = False
     """Expert parameters (Note [expert parallelism] in ``process_groups.py``)."""
+    chunks: list[tuple[int, int]] | None = None
+    """Replica sharing (Note [replica sharing] in ``layout.py``): this rank's shard cut into one range per
+    replica (from the shard's start), exchanged over ``replica_group``; ``None``: the rank steps its whole shard."""
+    replica_group: dist.ProcessGroup | None = None
+    replica_rank: int = 0
     state: BucketState = BucketState.SYNCED
     grads_state: BucketState = BucketState.ACCUMULATING
     ready: set[int] = field(default_factory=set)
     reduce: Collective | None = None
     gather: Collective | None = None
+    replica_gather: Collective | None = None
+    """The all-gather of the shard's chunks across the replicas, which the owner group's all-gather follows."""
 
     @property
     def name(self) -> str:
         return f"{self.buffer}.{self.index}"
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """This rank's shard, as a range of the bucket."""
+        size = self.grad_data.numel() // self.shards
+        return self.rank * size, (self.rank + 1) * size
+
+    @property
+    def stepped_range(self) -> tuple[int, int]:
+        """What this rank steps of the bucket (its shard, or its chunk of it), as a range of the bucket."""
+        begin, end = self.shard
+        if self.chunks is None:
+            return begin, end
+        a, b = self.chunks[self.replica_rank]
+        return begin + a, begin + b
 
 
 @dataclass(eq=False)
@@ -349,6 +371,10 @@ class LayerwiseDataParallel(nn.Module):
         # The layout is planned for the owner group, Note [owner groups] in process_groups.py.
         self.owner_size = self.process_groups.owner_size
         self.owner_rank = self.process_groups.owner_rank
+        # Note [replica sharing] in layout.py: the owner groups share the stepping of each shard.
+        self.replicas = self.dp_size // self.owner_size if self.process_groups.replica is not None else 1
+        self.layout_rank = self.process_groups.replica_rank * self.owner_size + self.owner_rank
+        """Which dense pieces this rank steps: ``replica * g + position`` (the position without replicas)."""
 
         reject_sparse_gradients(module)
         specs = layout_specs(module, elementwise=elementwise, expert=expert)
@@ -362,10 +388,17 @@ class LayerwiseDataParallel(nn.Module):
         self.expert_parallel_size = groups.expert_parallel_size
         expert_dp = dist.get_world_size(groups.expert_dp) if groups.expert_parallel is not None else None
         self.expert_dp_rank = dist.get_rank(groups.expert_dp) if expert_dp is not None else self.owner_rank
+        # Note [expert owner groups] in process_groups.py: expert buffers planned for an owner group of the
+        # expert data-parallel ranks, their stepping shared by its replicas.
+        expert_owner = groups.expert_owner_size if expert_dp is not None else None
+        self.expert_replicas = expert_dp // expert_owner if expert_dp is not None else 1
+        self.expert_owner_rank = dist.get_rank(groups.expert_owner_group) if expert_dp is not None else 0
         if layout is None:
-            layout = plan_layout(specs, self.owner_size, bucket_size, cost, expert_dp=expert_dp)
+            layout = plan_layout(specs, self.owner_size, bucket_size, cost, expert_dp=expert_owner,
+                                 replicas=self.replicas, expert_replicas=self.expert_replicas)
         else:
-            _check_layout(layout, specs, self.owner_size, bucket_size, expert_dp)
+            _check_layout(layout, specs, self.owner_size, bucket_size, expert_owner, self.replicas,
+                          self.expert_replicas)
         self.layout: Layout = layout
         self._expert_names = frozenset(s.name for s in specs if s.kind == "expert")
         if expert is not None:  # frozen expert parameters: outside the layout, but held per expert rank
@@ -381,14 +414,23 @@ class LayerwiseDataParallel(nn.Module):
         for b_index, plan in enumerate(self.layout.buffers):
             flat = self._flat_buffers[b_index]
             expert_buffer = plan.kind == "expert" and groups.expert_parallel is not None
-            group = groups.expert_dp if expert_buffer else groups.owner_group
-            gather_group = groups.expert_dp_all_gather if expert_buffer else groups.dp_all_gather
+            if expert_buffer:
+                group, position = groups.expert_owner_group, self.expert_owner_rank
+                gather_group = groups.expert_owner_all_gather or groups.expert_dp_all_gather
+                replica_group, replica_rank = groups.expert_replica, groups.expert_replica_rank
+            else:
+                group, gather_group, position = groups.owner_group, groups.dp_all_gather, self.owner_rank
+                replica_group, replica_rank = groups.replica, groups.replica_rank
             for bp in plan.buckets:
                 params = [named[n] for n in bp.params]
+                chunks = None
+                if bp.chunks:
+                    begin = bp.shard_range(position)[0]
+                    chunks = [(a - begin, b - begin) for a, b in bp.chunk_ranges(position)]
                 bucket = Bucket(b_index, bp.index, params, flat.params[bp.start:bp.end], flat.grads[bp.start:bp.end],
                                 first_param=min(order[n] for n in bp.params), group=group, gather_group=gather_group,
-                                shards=bp.dp, rank=self.expert_dp_rank if expert_buffer else self.owner_rank,
-                                expert=expert_buffer)
+                                shards=bp.dp, rank=position, expert=expert_buffer, chunks=chunks,
+                                replica_group=replica_group, replica_rank=replica_rank)
                 self._buckets.append(bucket)
                 for p in params:
                     self._bucket_of[p] = bucket
@@ -487,9 +529,15 @@ class LayerwiseDataParallel(nn.Module):
             self._hook_handles += self._register_forward_pre_hooks()
 
     def _rank_for(self, name: str) -> int:
-        """This rank's position among the owners of parameter ``name``'s buffer."""
+        """This rank's index among the owners of parameter ``name``'s pieces: its position in the expert
+        data-parallel group for experts, else :attr:`layout_rank`."""
         return self.expert_dp_rank if name in self._expert_names and self.expert_parallel_size > 1 \
-            else self.owner_rank
+            else self.layout_rank
+
+    @property
+    def layout_group(self) -> dist.ProcessGroup | None:
+        """The group whose ranks, in order, are the owners of the dense pieces (Note [replica sharing])."""
+        return self.process_groups.dp if self.replicas > 1 else self.process_groups.owner_group
 
     # --- public queries -------------------------------------------------------------
     def owns(self, param: nn.Parameter) -> bool:
@@ -778,25 +826,26 @@ class LayerwiseDataParallel(nn.Module):
         self.prepare_backward()  # a reducing backward that gave this rank no gradient still takes part
         self.finish_param_sync()
         self._dispatch_ready_reduces(force=True)
-        replica = self.process_groups.replica
         for bucket in self._reduce_order:
             if bucket.reduce is not None:
                 self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
                 self._trace("rs_wait", bucket)
+            if bucket.chunks is not None:
+                # Note [replica sharing]: the owner group's mean, averaged over the owner groups into the
+                # chunk this rank steps.
+                begin, end = bucket.shard
+                bucket.reduce = collectives.reduce_scatter_chunks(bucket.grad_data[begin:end], bucket.chunks,
+                                                                  bucket.replica_group, async_op=True, average=True)
+                self._trace("replica_rs_dispatch", bucket)
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self._wait(bucket.reduce, "replica_reduce_scatter")
+                bucket.reduce = None
+                self._trace("replica_rs_wait", bucket)
             if bucket.expert:
                 # Note [expert parallelism]: the expert data-parallel mean, over the E ranks that sent tokens.
                 self._own_shard(bucket).div_(self.expert_parallel_size)
-            elif replica is not None:
-                # Note [owner groups]: the owner group's mean, averaged over the owner groups.
-                bucket.reduce = collectives.all_reduce_bucket(self._own_shard(bucket), replica, async_op=True,
-                                                              average=True)
-                self._trace("ar_dispatch", bucket)
-        for bucket in self._reduce_order:
-            if bucket.reduce is not None:
-                self._wait(bucket.reduce, "all_reduce")
-                bucket.reduce = None
-                self._trace("ar_wait", bucket)
             bucket.grads_state = BucketState.REDUCED
         for own, carried in self._carry:
             own.add_(carried)
@@ -917,8 +966,10 @@ class LayerwiseDataParallel(nn.Module):
         return used
 
     def _own_shard(self, bucket: Bucket) -> torch.Tensor:
-        """This rank's shard of ``bucket``'s gradient: after the sync, the mean over every rank."""
-        return bucket.grad_data.chunk(bucket.shards)[bucket.rank]
+        """What this rank steps of ``bucket``'s gradient (its shard, or its chunk of it with replica sharing):
+        after the sync, the mean over every rank."""
+        begin, end = bucket.stepped_range
+        return bucket.grad_data[begin:end]
 
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish_grad_sync`).
@@ -949,8 +1000,9 @@ class LayerwiseDataParallel(nn.Module):
                   ) -> torch.Tensor:
         """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element.
 
-        Each owner group holds the dense gradient once; each expert element lies in the shard
-        of one rank of its expert data-parallel group, and those groups cover every rank.
+        Each owner group holds the dense gradient once (with replica sharing, the world does: each
+        element in the chunk of one rank); each expert element lies in the shard of one rank of its
+        expert data-parallel group, and those groups cover every rank.
         ``units`` (each rank its own, :meth:`unit_of`): sum ``fn`` of those units' gradients
         instead of whole shards, i.e. the part of the gradient a set of parameters holds.
         Collective (one all-reduce, two with expert parallelism).
@@ -966,7 +1018,7 @@ class LayerwiseDataParallel(nn.Module):
                 expert += value
             else:
                 dense += value
-        collectives.all_reduce_sum(dense, self.process_groups.owner_group)
+        collectives.all_reduce_sum(dense, self.layout_group)
         if self.expert_parallel_size > 1:
             collectives.all_reduce_sum(expert, self.process_groups.dp)
             dense += expert
@@ -998,6 +1050,11 @@ class LayerwiseDataParallel(nn.Module):
                         read_guard.mark_pending(p)
             if strict:
                 self._poison_others_shards(bucket)
+            if bucket.chunks is not None:  # Note [replica sharing]: the chunks first, across the replicas
+                begin, end = bucket.shard
+                bucket.replica_gather = collectives.all_gather_chunks(bucket.param_data[begin:end], bucket.chunks,
+                                                                      bucket.replica_group, async_op=True)
+                self._trace("replica_ag_dispatch", bucket)
         self._gather_queue = queue
         self._next_gather = 0
         if not overlap:
@@ -1006,12 +1063,13 @@ class LayerwiseDataParallel(nn.Module):
             self._top_up_gathers()
 
     def _poison_others_shards(self, bucket: Bucket) -> None:
-        """Strict mode: other ranks' shards read NaN until their all-gather lands."""
+        """Strict mode: what other ranks stepped (their shards, the other chunks of this rank's) reads NaN
+        until its all-gather lands."""
         if bucket.param_data.is_floating_point():
+            begin, end = bucket.stepped_range
             with torch.no_grad():
-                for rank, shard in enumerate(bucket.param_data.chunk(bucket.shards)):
-                    if rank != bucket.rank:
-                        shard.fill_(math.nan)
+                bucket.param_data[:begin].fill_(math.nan)
+                bucket.param_data[end:].fill_(math.nan)
 
     def _on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
         """The read guard's callback: makes ``param`` current, or raises in strict mode."""
@@ -1042,6 +1100,10 @@ class LayerwiseDataParallel(nn.Module):
     def _dispatch_next_gather(self) -> None:
         bucket = self._gather_queue[self._next_gather]
         self._next_gather += 1
+        if bucket.replica_gather is not None:  # the owner group gathers the shards the replicas completed
+            self._wait(bucket.replica_gather, "replica_all_gather")
+            bucket.replica_gather = None
+            self._trace("replica_ag_wait", bucket)
         bucket.gather = collectives.all_gather_bucket(bucket.param_data, bucket.gather_group,
                                                       async_op=True)
         self._in_flight.append(bucket)
@@ -1260,7 +1322,7 @@ def layout_specs(module: nn.Module, elementwise: Callable[[str, nn.Parameter], b
 
 
 def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucket_size: int,
-                  expert_dp: int | None) -> None:
+                  expert_dp: int | None, replicas: int = 1, expert_replicas: int = 1) -> None:
     """A layout handed in (planned once, by the caller) must fit this module, these groups and this bucket size."""
     shapes = {s.name: s.shape for s in specs}
     planned = {n: slot.shape for n, slot in layout.params.items()}
@@ -1271,6 +1333,9 @@ def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucke
                         if n in kinds and layout.buffers[slot.buffer].kind != kinds[n])
     expert_ranks = sorted({b.dp for b in layout.buffers if b.kind == "expert"} - {expert_dp or owner_size})
     problem = (f"planned for {layout.dp} ranks per owner group, not {owner_size}" if layout.dp != owner_size else
+               f"shared among {layout.replicas} owner groups, not {replicas}" if layout.replicas != replicas else
+               f"shared among {layout.expert_replicas} expert owner groups, not {expert_replicas}"
+               if layout.expert_replicas != expert_replicas and any(b.kind == "expert" for b in layout.buffers) else
                f"planned with bucket_size={layout.bucket_size}, not {bucket_size}"
                if layout.bucket_size != bucket_size else
                f"planned for other parameters ({sorted(set(planned) ^ set(shapes))[:3]} differ, or their shapes)"
@@ -1303,7 +1368,8 @@ class CollectiveError(RuntimeError):
 
 _PHASES = {
     "reduce_scatter": "gradient reduce-scatter (end of backward)",
-    "all_reduce": "gradient all-reduce across owner groups (end of backward)",
+    "replica_reduce_scatter": "gradient reduce-scatter across owner groups (end of backward)",
+    "replica_all_gather": "parameter all-gather across owner groups (before the owner group's all-gather)",
     "all_gather": "parameter all-gather (forward pre-hook, a parameter read, or a sync before eval/checkpoint)",
 }
 

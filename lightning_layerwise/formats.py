@@ -123,7 +123,7 @@ class FullFile(CheckpointFormat):
         named = session.named_optimizer_state(optimizer)
         ownership = session.ownership()
         with session.naming_failures("gathering the optimizer state to rank 0 for a full checkpoint"):
-            full = ckpt.gather_named_state(ckpt.mark_pieces(ckpt.state_to_write(named, ownership), ownership))
+            full = ckpt.gather_named_state(ckpt.mark_pieces(named, ownership))
         if full is None:
             return {"state": {}, "param_groups": named["param_groups"]}
         return ckpt.join_pieces(full, ownership.split)
@@ -183,7 +183,7 @@ class ShardedDirectory(CheckpointFormat):
         state: dict[str, Any] = {ckpt.MODEL_KEY: ckpt.model_entries_to_write(
             session.checkpoint_state(checkpoint.model_state), tensors, ownership)}
         for index, named in enumerate(checkpoint.optimizer_states):
-            named = ckpt.pieces_as_sharded_tensors(ckpt.state_to_write(named, ownership), ownership)
+            named = ckpt.pieces_as_sharded_tensors(named, ownership)
             if not session.is_global_zero:
                 named.pop("param_groups")  # identical on every rank: written once, by rank 0
             state[ckpt.optimizer_key(index)] = named

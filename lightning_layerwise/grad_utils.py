@@ -278,7 +278,7 @@ def _per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) 
         if expert:
             group = groups.expert_dp
         else:
-            group = groups.dp if infinite else groups.owner_group
+            group = groups.dp if infinite else wrapper.layout_group
         if infinite:
             collectives.all_reduce_max(both, group)
         else:

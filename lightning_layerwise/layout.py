@@ -140,7 +140,9 @@ Note [backward order]
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
+import gc
 import heapq
 import math
 from collections import defaultdict
@@ -270,6 +272,11 @@ class BucketPlan:
     dp: int
     params: tuple[str, ...]
     """Names of the parameters in this bucket, by offset."""
+    chunks: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """With replica sharing (Note [replica sharing]): per shard position, ``(replica, offset)`` for each
+    replica whose chunk is not empty, by offset from the shard's start (the first at 0); a chunk ends
+    where the next begins, the last at the shard's end. Empty without replica sharing."""
+    replicas: int = 1
 
     @property
     def numel(self) -> int:
@@ -283,6 +290,23 @@ class BucketPlan:
         """Buffer range ``[start, end)`` of rank ``rank``'s shard."""
         begin = self.start + rank * self.shard_size
         return begin, begin + self.shard_size
+
+    def chunk_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """Buffer ranges of the chunks of position ``rank``'s shard, one per replica (Note [replica sharing]);
+        the whole shard as one chunk without replica sharing."""
+        begin, end = self.shard_range(rank)
+        if not self.chunks:
+            return [(begin, end)]
+        starts = self.chunks[rank]
+        ranges: list = [None] * self.replicas
+        for i, (k, offset) in enumerate(starts):
+            ranges[k] = (begin + offset, begin + starts[i + 1][1] if i + 1 < len(starts) else end)
+        following = end
+        for k in range(self.replicas - 1, -1, -1):  # an empty chunk sits where the next one begins
+            if ranges[k] is None:
+                ranges[k] = (following, following)
+            following = ranges[k][0]
+        return ranges
 
 
 @dataclass(frozen=True)
@@ -307,6 +331,22 @@ class Layout:
     buffers: tuple[BufferPlan, ...]
     params: Mapping[str, ParamSlot]
     costs: Mapping[str, float] = field(repr=False)
+    replicas: int = 1
+    """Owner groups that share the stepping of the dense buffers (Note [replica sharing]): a dense
+    piece's owner is then ``replica * dp + position``, a rank of the whole data-parallel group."""
+    expert_replicas: int = 1
+    """The same for the expert buffers, inside the expert data-parallel group: an expert piece's owner is
+    ``replica * g_e + position`` for expert buffers planned for ``g_e`` ranks."""
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks step something: ``dp * replicas``."""
+        return self.dp * self.replicas
+
+    @property
+    def expert_group_size(self) -> int | None:
+        """The ranks the expert buffers are planned for (their owner group), ``None`` without expert buffers."""
+        return next((b.dp for b in self.buffers if b.kind == "expert"), None)
 
     # --- queries -------------------------------------------------------------------
     def slot(self, name: str) -> ParamSlot:
@@ -333,7 +373,7 @@ class Layout:
 
     def rank_costs(self) -> list[float]:
         """Optimizer cost each rank carries, by the cost function the plan used."""
-        costs = [0.0] * self.dp  # expert buffers planned for fewer ranks count at their positions
+        costs = [0.0] * self.ranks  # expert buffers planned for fewer ranks count at their positions
         for name, slot in self.params.items():
             for piece in slot.pieces:  # a split (element-wise) parameter's cost is per element
                 costs[piece.owner] += self.costs[name] * piece.numel / slot.numel
@@ -341,7 +381,7 @@ class Layout:
 
     def rank_numels(self) -> list[int]:
         """Parameter elements each rank owns (its share of optimizer state)."""
-        numels = [0] * self.dp
+        numels = [0] * self.ranks
         for slot in self.params.values():
             for piece in slot.pieces:
                 numels[piece.owner] += piece.numel
@@ -371,7 +411,7 @@ class Layout:
         costs, numels = self.rank_costs(), self.rank_numels()
         total = sum(costs) or 1.0
         lines.append(f"  owner balance (max/mean cost): {self.imbalance:.3f}")
-        for r in range(self.dp):
+        for r in range(self.ranks):
             lines.append(f"    rank {r}: params={len(self.owned_by(r))} elements={numels[r]:,} "
                          f"cost share={100 * costs[r] / total:.2f}%")
         return "\n".join(lines)
@@ -405,12 +445,27 @@ def _validate(specs: Sequence[ParamSpec], dp: int, bucket_size: int) -> None:
             raise ValueError(f"parameter {spec.name!r} has kind={spec.kind!r}; use 'dense' or 'expert'.")
 
 
+@contextlib.contextmanager
+def _without_cycle_collection():
+    """Planning allocates many small objects and makes no reference cycles; the cyclic collector, run again
+    and again over a large process's objects meanwhile, would take a third of the time at 45,000 tensors."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan_layout(
     specs: Iterable[ParamSpec],
     dp: int,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     cost: Callable[[ParamSpec], float] = newton_schulz_cost,
     expert_dp: int | None = None,
+    replicas: int = 1,
+    expert_replicas: int = 1,
 ) -> Layout:
     """Plans buffers, buckets, shards and owners for ``specs`` given in registration order.
 
@@ -419,8 +474,16 @@ def plan_layout(
     ``expert_dp``: plan ``kind="expert"`` buffers for this many ranks (the expert
     data-parallel group, Note [expert parallelism] in ``process_groups.py``)
     instead of ``dp``; owner indices in those buffers are positions in that group.
+    ``replicas``: ``dp`` is an owner group of ``dp * replicas`` ranks, and the dense buffers' stepping is
+    shared among the ``replicas`` owner groups (:func:`share_among_replicas`); ``expert_replicas``: the
+    same for the expert buffers, ``expert_dp`` then being an owner group of the expert data-parallel group.
     """
-    specs = list(specs)
+    with _without_cycle_collection():
+        return _plan_layout(list(specs), dp, bucket_size, cost, expert_dp, replicas, expert_replicas)
+
+
+def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callable[[ParamSpec], float],
+                 expert_dp: int | None, replicas: int, expert_replicas: int) -> Layout:
     _validate(specs, dp, bucket_size)
     if expert_dp is not None and (isinstance(expert_dp, bool) or not isinstance(expert_dp, int) or expert_dp < 1):
         raise ValueError(f"expert_dp={expert_dp!r} is not a valid expert data-parallel size; pass an integer >= 1.")
@@ -447,7 +510,9 @@ def plan_layout(
         buffers.append(BufferPlan(buffer_index, dtype, kind, numel, tuple(buckets), ranks))
 
     ordered = {s.name: slots[s.name] for s in specs}
-    return Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
+    layout = Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
+    return share_among_replicas(layout, specs, replicas, expert_groups=expert_dp is not None,
+                                expert_replicas=expert_replicas)
 
 
 DEFAULT_STATE_BYTES = 8
@@ -472,69 +537,341 @@ def estimated_rank_bytes(layout: Layout, grad_bytes: int | None = None,
     return buffers + sum(max(owners.values()) for owners in by_kind.values() if owners) * state_bytes
 
 
+DEFAULT_RANKS_PER_NODE = 8
+"""Ranks per node :func:`choose_owner_group_size` assumes when it is not told."""
+
+PADDING_TOLERANCE = 0.01
+"""Buffer growth (padding beyond alignment) :func:`choose_owner_group_size` accepts for a larger owner group."""
+
+
 def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
                             cost: Callable[[ParamSpec], float] = newton_schulz_cost, ranks_per_node: int | None = None,
                             grad_bytes: int | None = None, state_bytes: int = DEFAULT_STATE_BYTES,
                             expert_dp: int | None = None) -> tuple[int, Layout]:
-    """The owner group size ``g`` (a divisor of ``dp``) that needs the least memory per rank, and its layout.
+    """The owner group size ``g`` (a divisor of ``dp``) and its layout, shared among the ``dp / g`` groups.
 
     Note [choosing the owner group size]
-        Each rank holds the param and grad buffers of its owner group's layout,
-        padding included, and the optimizer state of what it steps, about
-        ``1/g`` of the model. A larger ``g`` shrinks the state but pads more once
-        a size class has fewer matrices than ``g`` (whole ownership), so the
-        planner plans every divisor of ``dp`` that could still win and keeps the
-        one with the fewest bytes on the busiest rank (:func:`estimated_rank_bytes`).
-        Candidates are planned in the order of a lower bound on their bytes
-        (each buffer at least its parameters and, if it has a whole parameter,
-        ``g`` times the largest; the state of ``1/g`` of the model), and the search
-        stops at the first bound above the best plan so far. Among sizes within 1%
-        of the best, it takes the largest that divides ``ranks_per_node``, so that
-        reduce-scatters and all-gathers stay inside a node. On one node
-        (``dp <= ranks_per_node``) it keeps one group: there communication is
-        cheap, the layouts of real models pad little at 8 ranks with element-wise
-        fill, and one group spreads Newton–Schulz over every rank, which the memory
-        estimate does not weigh. Pure: every rank computes the same answer.
-        Expert parameters (``kind="expert"``, with ``expert_dp``) are planned over their
-        expert data-parallel group whatever ``g`` is: they cost every candidate the
-        same, so the choice weighs the dense parameters alone, as the wrapper then
-        plans them.
+        With replica sharing (Note [replica sharing]) every element is stepped by one
+        rank of the world whatever ``g`` is, so the optimizer state is about ``1/dp``
+        of the model per rank and Newton–Schulz runs once per matrix for every ``g``.
+        What ``g`` still decides is padding and where the traffic goes: the buffers
+        are planned for ``g`` ranks (whole matrices pad once a size class has fewer
+        than ``g``), the even reduce-scatter and all-gather run inside the group, and
+        the uneven ones across the ``dp / g`` replicas. So the planner takes the
+        largest ``g`` that divides the ranks per node (the in-group collectives stay on
+        the node's fast links, and fewer replicas mean fewer pieces in the uneven
+        collectives) whose buffers exceed the unpadded parameters by at most
+        :data:`PADDING_TOLERANCE`, trying sizes from the largest down; if none does,
+        the one whose busiest rank holds the fewest bytes (:func:`estimated_rank_bytes`:
+        buffers with padding plus that rank's optimizer state). On one node
+        (``dp <= ranks_per_node``) it keeps one group. ``ranks_per_node=None`` assumes
+        :data:`DEFAULT_RANKS_PER_NODE`. Expert parameters (``kind="expert"``, with
+        ``expert_dp``) are planned inside their expert data-parallel group whatever ``g``
+        is (their owner group size chosen by :func:`choose_expert_group_size`), so the
+        choice weighs the dense parameters alone, as the wrapper then plans them. Pure:
+        every rank computes the same answer.
     """
     specs = list(specs)
     _validate(specs, dp, bucket_size)
-    if ranks_per_node is not None and dp <= ranks_per_node:
-        return dp, plan_layout(specs, dp, bucket_size, cost, expert_dp=expert_dp)
-    expert_groups = expert_dp is not None and any(s.kind == "expert" for s in specs)
-    numel = sum(s.numel for s in specs if not (expert_groups and s.kind == "expert"))
-    expert_numel = sum(s.numel for s in specs if expert_groups and s.kind == "expert")
-    buffers: dict[tuple[torch.dtype, str], list[ParamSpec]] = {}
-    for spec in specs:
-        buffers.setdefault((spec.dtype, spec.kind), []).append(spec)
+    ge = choose_expert_group_size(specs, expert_dp, bucket_size, cost) if expert_dp is not None else None
+    shared = {"expert_dp": ge, "expert_replicas": expert_dp // ge if ge else 1}
+    per_node = ranks_per_node or DEFAULT_RANKS_PER_NODE
+    if dp <= per_node:
+        return dp, plan_layout(specs, dp, bucket_size, cost, **shared)
+    expert_groups = expert_dp is not None
+    dense = [s for s in specs if not (expert_groups and s.kind == "expert")]
+    unpadded = sum(aligned(s.numel) for s in dense)
 
-    def floor(g: int) -> int:
-        total = 0
-        for (dtype, kind), members in buffers.items():
-            ranks = expert_dp if expert_groups and kind == "expert" else g
-            largest_whole = max((aligned(s.numel) for s in members if not s.elementwise), default=0)
-            elements = max(sum(aligned(s.numel) for s in members), ranks * largest_whole)
-            total += elements * (dtype.itemsize + (grad_bytes or dtype.itemsize))
-        experts = -(-expert_numel // expert_dp) if expert_groups else 0
-        return total + (-(-numel // g) + experts) * state_bytes
+    def dense_elements(layout: Layout) -> int:
+        return sum(b.numel for b in layout.buffers if not (expert_groups and b.kind == "expert"))
 
-    candidates = sorted((floor(g), -g) for g in range(1, dp + 1) if dp % g == 0)
     planned: dict[int, tuple[int, Layout]] = {}
-    best = None
-    for bound, negative_g in candidates:
-        if best is not None and bound > best:
-            break
-        g = -negative_g
-        layout = plan_layout(specs, g, bucket_size, cost, expert_dp=expert_dp)
+    for g in sorted((g for g in range(1, dp + 1) if dp % g == 0 and per_node % g == 0), reverse=True):
+        layout = plan_layout(specs, g, bucket_size, cost, replicas=dp // g, **shared)
+        if dense_elements(layout) <= (1 + PADDING_TOLERANCE) * unpadded:
+            return g, layout
         planned[g] = (estimated_rank_bytes(layout, grad_bytes, state_bytes), layout)
-        best = min(best, planned[g][0]) if best is not None else planned[g][0]
-    near = [g for g, (b, _) in planned.items() if b <= 1.01 * best]
-    local = [g for g in near if ranks_per_node and ranks_per_node % g == 0]
-    g = max(local) if local else min(planned, key=lambda k: (planned[k][0], -k))
+    g = min(planned, key=lambda k: (planned[k][0], -k))
     return g, planned[g][1]
+
+
+def choose_expert_group_size(specs: Sequence[ParamSpec], expert_dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
+                             cost: Callable[[ParamSpec], float] = newton_schulz_cost) -> int:
+    """The owner group size for the expert buffers inside an expert data-parallel group of ``expert_dp`` ranks
+    (Note [expert owner groups] in ``process_groups.py``): the largest divisor of ``expert_dp`` whose expert
+    buffers exceed the unpadded expert parameters by at most :data:`PADDING_TOLERANCE`, else the one that pads
+    least. The experts' own rule of Note [choosing the owner group size]: their replicas share the stepping,
+    so only padding is at stake. Pure."""
+    experts = [s for s in specs if s.kind == "expert"]
+    if not experts:
+        return expert_dp
+    unpadded = sum(aligned(s.numel) for s in experts)
+    planned = {}
+    for ge in sorted((d for d in range(1, expert_dp + 1) if expert_dp % d == 0), reverse=True):
+        total = plan_layout(experts, ge, bucket_size, cost).total_numel
+        if total <= (1 + PADDING_TOLERANCE) * unpadded:
+            return ge
+        planned[ge] = total
+    return min(planned, key=lambda d: (planned[d], -d))
+
+
+ELEMENTWISE_STATE = 2
+"""Optimizer state of an element-wise element against a matrix element's, as replica sharing balances it:
+AdamW keeps two moments where Muon keeps one momentum (Note [replica sharing])."""
+
+
+def share_among_replicas(layout: Layout, specs: Sequence[ParamSpec], replicas: int,
+                         expert_groups: bool = False, expert_replicas: int = 1) -> Layout:
+    """``layout`` (planned for an owner group) with the stepping of its dense buffers shared among
+    ``replicas`` owner groups: every element stepped by exactly one rank of the world.
+
+    Note [replica sharing]
+        With ``dp = g * R`` ranks in ``R`` owner groups of ``g``, the layout is planned
+        for ``g`` ranks (Note [owner groups] in ``process_groups.py``) and the ranks at
+        position ``p`` of every group (its *replicas*) hold the same shard ``p`` of every
+        bucket. Each such shard is cut into ``R`` consecutive *chunks*, chunk ``k``
+        stepped by replica ``k`` alone (world rank ``k * g + p``): its reduced gradient
+        is reduce-scattered to it across the replicas, it runs the optimizer on the
+        chunk only (Newton–Schulz once per matrix in the world, optimizer state once in
+        the world) and the chunks are all-gathered across the replicas before the
+        owner group all-gathers the shards. A chunk holds whole parameters that are
+        not element-wise (Muon matrices) and any part of element-wise ones:
+
+        * a shard holding only element-wise elements (the flat buckets) keeps its
+          order and is cut where the water level of the optimizer state each replica
+          already holds asks (water-filling; an element-wise element counts
+          :data:`ELEMENTWISE_STATE` times a matrix element), parameters crossing a cut
+          being stepped in pieces;
+        * a shard of whole parameters is reordered: matrices go to replicas by
+          longest processing time first on their Newton–Schulz cost, over all the
+          buckets of a position at once, then improved by moves and swaps while the
+          busiest replica is above the bound (:func:`_rebalance`); element-wise ones
+          whole, to the replica holding the least state; and each replica's parameters
+          are then laid out consecutively in the shard (offsets within a shard are
+          free: nothing else depends on them);
+        * anything else (a custom layout mixing pieces and matrices in one shard) goes
+          whole to the least loaded replica.
+
+        Chunks tile the shard; they may differ in length and be empty, so the
+        collectives across replicas are the uneven forms (``collectives.py``). Buffers,
+        buckets and shards are the owner group's, so padding and the in-group
+        collectives are unchanged. Pure and deterministic: every rank computes the same.
+    """
+    for what, value in (("replicas", replicas), ("expert_replicas", expert_replicas)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what}={value!r}: pass the number of owner groups, an integer >= 1.")
+    if replicas == 1 and (expert_replicas == 1 or not expert_groups):
+        return layout
+    if layout.replicas != 1 or layout.expert_replicas != 1:
+        raise ValueError(f"the layout is already shared among {layout.replicas} replicas.")
+    elementwise = {s.name: s.elementwise for s in specs}
+    numel = {s.name: s.numel for s in specs}
+    offsets: dict[str, int] = {}
+    world_pieces: dict[str, list[Piece]] = defaultdict(list)
+    experts = [plan for plan in layout.buffers if plan.kind == "expert" and expert_groups]
+    dense = [plan for plan in layout.buffers if not (plan.kind == "expert" and expert_groups)]
+    shared: dict[int, BufferPlan] = {}
+    for plans, g, count in ((dense, layout.dp, replicas), (experts, experts[0].dp if experts else 1, expert_replicas)):
+        if plans and count > 1:
+            shared.update(_share_family(layout, plans, g, count, elementwise, numel, offsets, world_pieces))
+    params = {}
+    for name, slot in layout.params.items():
+        if name in world_pieces:
+            pieces = tuple(sorted(world_pieces[name], key=lambda q: q.start))
+            slot = ParamSlot(name, slot.shape, slot.buffer, slot.bucket, offsets.get(name, slot.offset), pieces)
+        params[name] = slot
+    buffers = tuple(shared.get(plan.index, plan) for plan in layout.buffers)
+    return Layout(layout.dp, layout.bucket_size, buffers, MappingProxyType(params), layout.costs, replicas,
+                  expert_replicas if experts else 1)
+
+
+def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int, elementwise: Mapping[str, bool],
+                  numel: Mapping[str, int], offsets: dict[str, int], world_pieces: dict[str, list[Piece]]
+                  ) -> dict[int, BufferPlan]:
+    """The buffers ``plans`` (all planned for ``g`` ranks) shared among ``replicas`` (Note [replica sharing]);
+    records the new offsets and the pieces, whose owners are ``replica * g + position``."""
+    # Per shard: its (name, slot, piece) items and how it is cut ("cut", "reorder" or "one").
+    shards: dict[tuple[int, int], list[tuple[list[tuple[str, ParamSlot, Piece]], str]]] = {}
+    matrices: list[list[tuple[float, int, int, int, str]]] = [[] for _ in range(g)]
+    for plan in plans:
+        for bp in plan.buckets:
+            by_position: list[list[tuple[str, ParamSlot, Piece]]] = [[] for _ in range(g)]
+            for name in bp.params:
+                slot = layout.params[name]
+                for piece in slot.pieces:
+                    by_position[piece.owner].append((name, slot, piece))
+            described = []
+            for p, items in enumerate(by_position):
+                whole = [n for n, _, _ in items if not elementwise.get(n, False)]
+                if not whole:
+                    mode = "cut"
+                elif all(piece.start == 0 and piece.stop == numel[n] for n, _, piece in items):
+                    mode = "reorder"  # matrices first, each position over its replicas, below
+                    matrices[p] += [(-layout.costs[n], -numel[n], slot.buffer, slot.offset, n)
+                                    for n, slot, _ in items if not elementwise.get(n, False)]
+                else:
+                    mode = "one"
+                described.append((items, mode))
+            shards[plan.index, bp.index] = described
+    # Matrices by longest processing time first over all buckets, then improved by moves and swaps.
+    acc_cost = [[0.0] * replicas for _ in range(g)]
+    acc_numel = [[0] * replicas for _ in range(g)]
+    replica_of: dict[str, int] = {}
+    total = sum(-job[0] for jobs in matrices for job in jobs)
+    floor = max([total / (g * replicas)] + [-job[0] for jobs in matrices for job in jobs])
+    for p, jobs in enumerate(matrices):
+        heap = [(0.0, 0, k) for k in range(replicas)]
+        bins: list[list[tuple[float, int, str]]] = [[] for _ in range(replicas)]
+        for negative_cost, negative_numel, _, _, name in sorted(jobs):
+            cost, count, k = heapq.heappop(heap)
+            bins[k].append((-negative_cost, -negative_numel, name))
+            heapq.heappush(heap, (cost - negative_cost, count - negative_numel, k))
+        for cost, count, k in heap:
+            acc_cost[p][k], acc_numel[p][k] = cost, count
+        _rebalance(bins, acc_cost[p], acc_numel[p], floor)
+        for k, jobs_k in enumerate(bins):
+            for _, _, name in jobs_k:
+                replica_of[name] = k
+    out = {}
+    for plan in plans:
+        buckets = []
+        for bp in plan.buckets:
+            cuts = tuple(_share_shard(items, mode, bp.shard_range(p), p, g, replicas, elementwise, layout.costs,
+                                      replica_of, acc_cost[p], acc_numel[p], offsets, world_pieces)
+                         for p, (items, mode) in enumerate(shards[plan.index, bp.index]))
+            params = tuple(sorted(bp.params, key=lambda n: offsets.get(n, layout.params[n].offset)))
+            buckets.append(BucketPlan(bp.index, bp.start, bp.end, bp.dp, params, cuts, replicas))
+        out[plan.index] = BufferPlan(plan.index, plan.dtype, plan.kind, plan.numel, tuple(buckets), plan.dp)
+    return out
+
+
+def _rebalance(bins: list[list[tuple[float, int, str]]], cost: list[float], numel: list[int], floor: float,
+               rounds: int = 1000) -> None:
+    """Improves a longest-processing-time assignment in place: while the busiest replica is above ``floor``
+    (no assignment can go below it), move one of its matrices to another replica, or swap it for a
+    cheaper one there, choosing the change that lowers the larger of the two loads the most. Candidates
+    are taken one per distinct cost, so a stack of identical layers stays quick."""
+    replicas = len(bins)
+    for _ in range(rounds):
+        b = max(range(replicas), key=lambda k: (cost[k], k))
+        top = cost[b]
+        if top <= floor * (1 + 1e-9):
+            return
+        mine = {c: (c, n, name) for c, n, name in bins[b]}
+        best = (top, None)
+        for r in range(replicas):
+            if r == b or cost[r] >= top:
+                continue
+            theirs = {c: (c, n, name) for c, n, name in bins[r]}
+            for x in mine:
+                for y in [0.0, *theirs]:  # 0.0: a move
+                    delta = x - y
+                    if delta <= 0:
+                        continue
+                    pair = max(top - delta, cost[r] + delta)
+                    if pair < best[0] - 1e-9 * top:
+                        best = (pair, (r, mine[x], theirs.get(y)))
+        if best[1] is None:
+            return
+        r, out, back = best[1]
+        for job, source, target in ((out, b, r), (back, r, b)):
+            if job is not None:
+                bins[source].remove(job)
+                bins[target].append(job)
+                cost[source] -= job[0]
+                cost[target] += job[0]
+                numel[source] -= job[1]
+                numel[target] += job[1]
+
+
+def _water_fill(levels: Sequence[int], total: int) -> list[int]:
+    """Integer amounts adding up to ``total`` that raise the lowest ``levels`` as evenly as possible."""
+    order = sorted(range(len(levels)), key=lambda k: (levels[k], k))
+    prefix, count = 0, len(order)
+    for c in range(1, len(order) + 1):  # raise the lowest c together while they stay below the next
+        prefix += levels[order[c - 1]]
+        if c == len(order) or total + prefix <= c * levels[order[c]]:
+            count = c
+            break
+    level = (total + prefix) // count
+    amounts = [0] * len(levels)
+    for j in order[:count]:
+        amounts[j] = level - levels[j]
+    for j in order[:total - sum(amounts)]:  # the rounding remainder, lowest first
+        amounts[j] += 1
+    return amounts
+
+
+def _share_shard(items: list[tuple[str, ParamSlot, Piece]], mode: str, shard: tuple[int, int], position: int, g: int,
+                 replicas: int, elementwise: Mapping[str, bool], costs: Mapping[str, float],
+                 replica_of: Mapping[str, int], acc_cost: list[float], acc_numel: list[int], offsets: dict[str, int],
+                 world_pieces: dict[str, list[Piece]]) -> tuple[tuple[int, int], ...]:
+    """One shard cut into chunks (Note [replica sharing]): returns ``(replica, offset)`` per non-empty chunk
+    (:attr:`BucketPlan.chunks`) and records the new offsets and the world pieces."""
+    lo = shard[0]
+    if not items:
+        return ((0, 0),)
+    if len(items) == 1 and mode == "reorder" and not elementwise.get(items[0][0], False):
+        name, slot, _ = items[0]  # the common case at scale: one matrix
+        k = replica_of[name]
+        offsets[name] = lo
+        world_pieces[name].append(Piece(k * g + position, 0, items[0][2].stop))
+        return ((k, 0),)
+    if mode == "cut":
+        # Cut in place where the water level asks: pieces of element-wise parameters.
+        items = sorted(items, key=lambda it: it[1].offset + it[2].start)
+        quotas = _water_fill([a // ELEMENTWISE_STATE for a in acc_numel], sum(piece.numel for _, _, piece in items))
+        order = [k for k in range(replicas) if quotas[k]]
+        starts, stream, i = [(order[0], 0)], 0, 0
+        target = quotas[order[0]]
+        for name, slot, piece in items:
+            begin = slot.offset + piece.start
+            done = 0
+            while done < piece.numel:
+                if stream >= target:  # this replica is full: the next begins here
+                    i += 1
+                    starts.append((order[i], begin + done - lo))
+                    target += quotas[order[i]]
+                k = order[i]
+                take = min(piece.numel - done, target - stream)
+                world_pieces[name].append(Piece(k * g + position, piece.start + done, piece.start + done + take))
+                acc_numel[k] += take * ELEMENTWISE_STATE
+                acc_cost[k] += costs[name] * take / slot.numel
+                done += take
+                stream += take
+        return tuple(starts)
+    if mode == "reorder":
+        # Reorder: matrices where the longest-processing-time pass put them (their cost is counted there),
+        # element-wise parameters whole to the replica stepping the fewest elements.
+        region: dict[int, list[tuple[str, ParamSlot]]] = defaultdict(list)
+        vectors = []
+        for name, slot, _ in items:
+            if elementwise.get(name, False):
+                vectors.append((name, slot))
+            else:
+                region[replica_of[name]].append((name, slot))
+        for name, slot in sorted(vectors, key=lambda it: (-it[1].numel, it[1].offset)):
+            k = min(range(replicas), key=lambda r: (acc_numel[r], r))
+            region[k].append((name, slot))
+            acc_cost[k] += costs[name]
+            acc_numel[k] += slot.numel * ELEMENTWISE_STATE
+        starts, cursor = [], lo
+        for k in sorted(region):
+            starts.append((k, cursor - lo))
+            for name, slot in sorted(region[k], key=lambda it: it[1].offset):
+                offsets[name] = cursor
+                world_pieces[name].append(Piece(k * g + position, 0, slot.numel))
+                cursor += aligned(slot.numel)
+        if cursor > shard[1]:
+            raise AssertionError(f"replica sharing overflowed a shard by {cursor - shard[1]} elements")  # invariant
+        return tuple(starts)
+    # A shard mixing pieces and matrices (not planned here): all of it to the least loaded replica.
+    k = min(range(replicas), key=lambda r: (acc_cost[r], acc_numel[r], r))
+    for name, slot, piece in items:
+        world_pieces[name].append(Piece(k * g + position, piece.start, piece.stop))
+        acc_cost[k] += costs[name] * piece.numel / slot.numel
+        acc_numel[k] += piece.numel * (ELEMENTWISE_STATE if elementwise.get(name, False) else 1)
+    return ((k, 0),)
 
 
 def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],

@@ -27,12 +27,14 @@ class ProcessGroups:
         With ``owner`` set, the data-parallel ranks are split into *owner groups* of
         ``g`` consecutive ranks (``[0, g)``, ``[g, 2g)``…; consecutive ranks share a
         node when ``g`` divides the ranks per node). The layout is planned for ``g``
-        ranks: inside its owner group a rank owns what it would own in a world of
-        ``g``, gradients are reduce-scattered and parameters all-gathered inside the
-        group, and each owned shard is then all-reduced across the ``replica`` group
-        (the ranks at the same position in every owner group), as HSDP does.
-        Optimizer state is 1/g of the model per rank and each matrix's Newton–Schulz
-        runs once per owner group.
+        ranks: inside its owner group a rank holds the shards it would hold in a world
+        of ``g``, and gradients are reduce-scattered and parameters all-gathered inside
+        the group, as HSDP does. The ``replica`` group (the ranks at the same position
+        in every owner group) holds the same shards and shares their stepping (Note
+        [replica sharing] in ``layout.py``): each shard's gradient is reduce-scattered
+        across it into one chunk per replica, each rank steps its chunk, and the chunks
+        are all-gathered across it before the owner group's all-gather. Every matrix's
+        Newton–Schulz runs once in the world and the optimizer state is held once.
 
     Note [expert parallelism]
         With ``expert_parallel_size=E`` the ranks are also split into expert-parallel
@@ -67,6 +69,12 @@ class ProcessGroups:
     """The owner group (Note [owner groups]); ``None``: ``dp`` is the owner group."""
     replica: ProcessGroup | None = None
     """The ranks holding the same shards in the other owner groups; ``None``: one owner group."""
+    expert_owner: ProcessGroup | None = None
+    """Owner groups inside the expert data-parallel group (Note [expert owner groups]); ``None``: ``expert_dp``."""
+    expert_owner_all_gather: ProcessGroup | None = None
+    """The expert owner group on a communicator of its own: expert parameter all-gathers."""
+    expert_replica: ProcessGroup | None = None
+    """The expert data-parallel ranks holding the same expert shards in the other expert owner groups."""
 
     @property
     def dp_size(self) -> int:
@@ -112,6 +120,20 @@ class ProcessGroups:
         return self.expert_dp if self.expert_parallel is not None else self.owner_group
 
     @property
+    def expert_owner_group(self) -> ProcessGroup | None:
+        """The group expert gradients are reduce-scattered over and expert shards are owned in."""
+        return self.expert_owner if self.expert_owner is not None else self.expert_dp
+
+    @property
+    def expert_owner_size(self) -> int:
+        group = self.expert_owner_group
+        return 1 if group is None else dist.get_world_size(group)
+
+    @property
+    def expert_replica_rank(self) -> int:
+        return 0 if self.expert_replica is None else dist.get_rank(self.expert_replica)
+
+    @property
     def separate_all_gather(self) -> bool:
         return self.dp_all_gather is not None and self.dp_all_gather is not self.owner_group
 
@@ -122,8 +144,9 @@ class ProcessGroups:
         Every rank calls it after its last collective on them.
         """
         seen = []
-        for group in (self.dp_all_gather, self.replica, self.owner, self.dp, self.expert_dp_all_gather,
-                      self.expert_dp, self.expert_parallel):
+        for group in (self.dp_all_gather, self.replica, self.owner, self.dp, self.expert_owner_all_gather,
+                      self.expert_replica, self.expert_owner, self.expert_dp_all_gather, self.expert_dp,
+                      self.expert_parallel):
             if group is not None and all(group is not g for g in seen) and dist.is_initialized():
                 seen.append(group)
                 dist.destroy_process_group(group)
@@ -141,12 +164,14 @@ class ProcessGroups:
         timeout: timedelta | None = None,
         owner_group_size: int | None = None,
         expert_parallel_size: int = 1,
+        expert_owner_group_size: int | None = None,
     ) -> "ProcessGroups":
         """Groups over every rank of the initialized default group.
 
         ``owner_group_size``: ``g`` dividing the world size splits it into owner groups
         of ``g`` consecutive ranks (Note [owner groups]); ``None`` or the world size:
-        one owner group. Collective: every rank must call it, in the same order
+        one owner group. ``expert_owner_group_size``: the same inside each expert data-parallel group
+        (Note [expert owner groups]); ``None``: one. Collective: every rank must call it, in the same order
         relative to other group creations. Without an initialized default group (or
         with one rank) returns :meth:`single`.
         """
@@ -161,9 +186,14 @@ class ProcessGroups:
         if isinstance(E, bool) or not isinstance(E, int) or E < 1 or world % E:
             raise ValueError(f"expert_parallel_size={expert_parallel_size!r} does not divide the {world} ranks; pass "
                              f"a divisor of {world}, or 1 for no expert parallelism.")
+        D = world // E
+        ge = D if expert_owner_group_size is None else expert_owner_group_size
+        if E > 1 and (isinstance(ge, bool) or not isinstance(ge, int) or ge < 1 or D % ge):
+            raise ValueError(f"expert_owner_group_size={expert_owner_group_size!r} does not divide the {D} expert "
+                             f"data-parallel ranks; pass a divisor of {D}, or None for one group.")
         kwargs = {"backend": backend, "timeout": timeout}
         dp = dist.new_group(list(range(world)), **kwargs)
-        experts = cls._expert_groups(world, rank, E, separate_all_gather, kwargs) if E > 1 else {}
+        experts = cls._expert_groups(world, rank, E, separate_all_gather, kwargs, ge) if E > 1 else {}
         if g == world:
             all_gather = dist.new_group(list(range(world)), **kwargs) if separate_all_gather else dp
             return cls(dp=dp, dp_all_gather=all_gather, **experts)
@@ -183,9 +213,21 @@ class ProcessGroups:
         return cls(dp=dp, dp_all_gather=all_gather, owner=owner, replica=replica, **experts)
 
     @staticmethod
-    def _expert_groups(world: int, rank: int, E: int, separate_all_gather: bool, kwargs: dict) -> dict:
+    def _expert_groups(world: int, rank: int, E: int, separate_all_gather: bool, kwargs: dict, ge: int) -> dict:
         """Expert-parallel groups of ``E`` consecutive ranks and the strided expert data-parallel groups
-        (Note [expert parallelism]). Every rank takes part in creating every group."""
+        (Note [expert parallelism]), and inside those the expert owner and replica groups of
+        ``ge`` (Note [expert owner groups]). Every rank takes part in creating every group.
+
+        Note [expert owner groups]
+            The expert data-parallel group of position ``i`` (ranks ``i, i + E, i + 2E``…,
+            ``D = world / E`` of them) is split as the dense ranks are (Note [owner groups]):
+            owner groups of ``ge`` consecutive members (``[0, ge)``, ``[ge, 2ge)``… of the
+            group), whose expert buffers are planned for ``ge`` ranks, and replica groups of
+            the members at the same position in every owner group, which share the stepping
+            of each shard (Note [replica sharing] in ``layout.py``). A member's rank in the
+            expert data-parallel group is then ``replica * ge + position``, the owner index of
+            its expert pieces.
+        """
         out: dict = {}
         for k in range(world // E):
             ranks = list(range(k * E, (k + 1) * E))
@@ -198,4 +240,20 @@ class ProcessGroups:
             gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
             if rank in ranks:
                 out["expert_dp"], out["expert_dp_all_gather"] = group, gather
+        D = world // E
+        if ge == D:
+            return out
+        for i in range(E):
+            members = list(range(i, world, E))
+            for k in range(D // ge):
+                ranks = members[k * ge:(k + 1) * ge]
+                group = dist.new_group(ranks, **kwargs)
+                gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
+                if rank in ranks:
+                    out["expert_owner"], out["expert_owner_all_gather"] = group, gather
+            for j in range(ge):
+                ranks = members[j::ge]
+                group = dist.new_group(ranks, **kwargs)
+                if rank in ranks:
+                    out["expert_replica"] = group
         return out

@@ -56,7 +56,7 @@ from .config import DTYPES, LayerwiseConfig
 from .data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients
 from .experts import check_expert_marks, expert_key_map, expert_key_predicate, expert_parameter_names
 from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
-from .layout import Layout, choose_owner_group_size, plan_layout
+from .layout import Layout, choose_expert_group_size, choose_owner_group_size, plan_layout
 from .masters import MasterWeights
 from .optim.elementwise import elementwise_parameters
 from .process_groups import ProcessGroups
@@ -188,7 +188,8 @@ class LayerwiseSession:
         owner_size, layout = self._plan(specs, expert is not None)
         self.groups = ProcessGroups.create(
             separate_all_gather=self.config.separate_all_gather_group, backend=self.env.backend,
-            timeout=self.env.timeout, owner_group_size=owner_size, expert_parallel_size=E)
+            timeout=self.env.timeout, owner_group_size=owner_size, expert_parallel_size=E,
+            expert_owner_group_size=layout.expert_group_size if layout is not None and E > 1 else None)
         c = self.config
         self.wrapper = LayerwiseDataParallel(
             module, process_groups=self.groups, bucket_size=c.bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
@@ -242,7 +243,9 @@ class LayerwiseSession:
                 self.env.info(f"{self.name}: owner groups of {g} ranks (owner_group_size='auto'; {world // g} "
                               "groups).")
         if layout is None and specs:  # no parameter to train: the wrapper says so
-            layout = plan_layout(specs, g, c.bucket_size, expert_dp=expert_dp)
+            ge = choose_expert_group_size(specs, expert_dp, c.bucket_size) if expert_dp is not None else None
+            layout = plan_layout(specs, g, c.bucket_size, expert_dp=ge, replicas=world // g,
+                                 expert_replicas=expert_dp // ge if ge else 1)
         return g, layout
 
     def _check_expert_parallel_size(self) -> None:

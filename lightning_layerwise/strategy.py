@@ -135,11 +135,12 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         owner_group_size: split the data-parallel ranks into owner groups of this many
             consecutive ranks (hierarchical sharding, as HSDP): the layout is planned for
             one group, gradients are reduce-scattered and parameters all-gathered inside
-            it, and each owned shard is all-reduced across the groups (Note [owner
-            groups] in ``process_groups.py``). ``"auto"`` (default) keeps one group on one
-            node; across nodes it picks the divisor of the world size that needs the least
-            memory per rank, preferring groups inside a node (Note [choosing the owner
-            group size] in ``layout.py``);
+            it, and the groups share the optimizer step: each matrix is orthogonalized once
+            in the world and the optimizer state held once (Note [owner groups] in
+            ``process_groups.py``, Note [replica sharing] in ``layout.py``). ``"auto"``
+            (default) keeps one group on one node; across nodes the largest size dividing
+            the ranks per node that pads at most 1% (Note [choosing the owner group size]
+            in ``layout.py``);
             ``None``: one group of every rank; an integer must divide the world size.
         expert_parallel_size: ``E > 1`` spreads the experts of a mixture-of-experts model over
             expert-parallel groups of ``E`` consecutive ranks (Note [expert parallelism] in

@@ -18,7 +18,9 @@ class FakeWrapper:
     def __init__(self, module: nn.Module, owned: set[str], rank: int = 0, layout=None, shards=None):
         self.named = dict(module.named_parameters())
         self.owned = owned
-        self.owner_rank = self.expert_dp_rank = rank
+        self.owner_rank = self.expert_dp_rank = self.layout_rank = rank
+        self.replicas = 1
+        self.layout_group = None
         self.process_groups = ProcessGroups.single()
         self.expert_parallel_size = 1
         self._expert_names = frozenset()

@@ -19,7 +19,7 @@ from _dist import run_distributed
 from test_strategy import Regressor, loaders
 
 
-def _worker(rank, world, skip, precision):
+def _worker(rank, world, skip, precision, owner_group_size=None):
     model = Regressor(optimizer="adamw", inf_on_rank=1, inf_at_step=1)
     snapshots = {}
 
@@ -27,7 +27,7 @@ def _worker(rank, world, skip, precision):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             snapshots[trainer.global_step] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
 
-    strategy = llw.LayerwiseStrategy(skip_nonfinite_steps=skip)
+    strategy = llw.LayerwiseStrategy(skip_nonfinite_steps=skip, owner_group_size=owner_group_size)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4, logger=False,
                         precision=precision, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Snapshot()])
@@ -37,9 +37,12 @@ def _worker(rank, world, skip, precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(precision):
-    results = run_distributed(_worker, 2, True, precision)
+@pytest.mark.parametrize("precision,world,g", [("32-true", 2, None), ("bf16-mixed", 2, None), ("32-true", 4, 2)],
+                         ids=["32-true", "bf16-mixed", "32-true-4ranks-2x2"])
+def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(precision, world, g):
+    """``world=4, g=2``: two owner groups sharing the step; the inf lands in the chunk of one rank of four
+    (Note [replica sharing]), which must still stop all of them."""
+    results = run_distributed(_worker, world, True, precision, g)
     for snapshots, skipped in results:
         assert skipped == 1
         # global_step counts the skipped step too (as with a grad scaler): the state after step 2
@@ -48,7 +51,8 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_everywhere(precision):
             assert torch.equal(snapshots[2][name], before), name
             assert torch.isfinite(snapshots[4][name]).all() and not torch.equal(snapshots[4][name], before)
     for name in results[0][0][4]:
-        assert torch.equal(results[0][0][4][name], results[1][0][4][name]), "ranks agree"
+        for other in results[1:]:
+            assert torch.equal(results[0][0][4][name], other[0][4][name]), "ranks agree"
 
 
 @pytest.mark.slow
