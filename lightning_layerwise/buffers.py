@@ -20,11 +20,15 @@ Note [memory format]
 
 from __future__ import annotations
 
+import enum
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from .collectives import Collective
 from .layout import Layout, ParamSlot
 
 
@@ -92,3 +96,65 @@ def view_of(flat: torch.Tensor, slot: ParamSlot, like: torch.Tensor | None = Non
     if like is not None and not like.is_contiguous() and is_dense_permutation(like):
         return part.as_strided(slot.shape, like.stride())
     return part.view(slot.shape)
+
+
+class BucketState(enum.Enum):
+    """Where a bucket is in one optimizer step."""
+
+    ACCUMULATING = "accumulating"  # gradients of this step are being added
+    REDUCING = "reducing"  # reduce-scatter dispatched, not waited
+    REDUCED = "reduced"  # this rank's shard holds the averaged gradient
+    GATHERING = "gathering"  # all-gather dispatched, not waited
+    SYNCED = "synced"  # every rank holds the bucket's current parameters
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Run-time state of one planned bucket."""
+
+    buffer: int
+    index: int
+    params: list[nn.Parameter]
+    param_data: torch.Tensor
+    grad_data: torch.Tensor
+    first_param: int
+    """Registration index of the earliest parameter in the bucket (forward order key)."""
+    group: dist.ProcessGroup | None = None
+    """Group its shards are spread over (reduce-scatter); ``gather_group``: its all-gather communicator."""
+    gather_group: dist.ProcessGroup | None = None
+    shards: int = 1
+    """Ranks in ``group``; ``rank``: this rank's shard."""
+    rank: int = 0
+    expert: bool = False
+    """Expert parameters (Note [expert parallelism] in ``process_groups.py``)."""
+    chunks: list[tuple[int, int]] | None = None
+    """Replica sharing (Note [replica sharing] in ``layout.py``): this rank's shard cut into one range per
+    replica (from the shard's start), exchanged over ``replica_group``; ``None``: the rank steps its whole shard."""
+    replica_group: dist.ProcessGroup | None = None
+    replica_rank: int = 0
+    state: BucketState = BucketState.SYNCED
+    grads_state: BucketState = BucketState.ACCUMULATING
+    ready: set[int] = field(default_factory=set)
+    reduce: Collective | None = None
+    gather: Collective | None = None
+    replica_gather: Collective | None = None
+    """The all-gather of the shard's chunks across the replicas, which the owner group's all-gather follows."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.buffer}.{self.index}"
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """This rank's shard, as a range of the bucket."""
+        size = self.grad_data.numel() // self.shards
+        return self.rank * size, (self.rank + 1) * size
+
+    @property
+    def stepped_range(self) -> tuple[int, int]:
+        """What this rank steps of the bucket (its shard, or its chunk of it), as a range of the bucket."""
+        begin, end = self.shard
+        if self.chunks is None:
+            return begin, end
+        a, b = self.chunks[self.replica_rank]
+        return begin + a, begin + b

@@ -42,7 +42,9 @@ from typing import Union
 import torch
 
 from . import collectives
-from .data_parallel import BucketState, LayerwiseDataParallel, _same_memory
+from .buffers import BucketState
+from .data_parallel import LayerwiseDataParallel
+from .grad_sync import _same_memory
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
 

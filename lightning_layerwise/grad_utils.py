@@ -49,7 +49,8 @@ import torch
 from torch import nn
 
 from . import clip, collectives
-from .data_parallel import _LIVE, LayerwiseDataParallel, wrapper_of
+from .data_parallel import LayerwiseDataParallel
+from .grad_sync import _LIVE, wrapper_of
 
 _ORIGINAL: dict[str, Callable] = {}
 _INSTALLED = False
