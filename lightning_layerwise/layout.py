@@ -565,7 +565,10 @@ def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: in
         the one whose busiest rank holds the fewest bytes (:func:`estimated_rank_bytes`:
         buffers with padding plus that rank's optimizer state). On one node
         (``dp <= ranks_per_node``) it keeps one group. ``ranks_per_node=None`` assumes
-        :data:`DEFAULT_RANKS_PER_NODE`. Expert parameters (``kind="expert"``, with
+        :data:`DEFAULT_RANKS_PER_NODE`. With one rank per node no group can stay inside a
+        node, and a group of one would make every collective an uneven one across the
+        replicas, so one group of all ranks is tried first there, then groups of one.
+        Expert parameters (``kind="expert"``, with
         ``expert_dp``) are planned inside their expert data-parallel group whatever ``g``
         is (their owner group size chosen by :func:`choose_expert_group_size`), so the
         choice weighs the dense parameters alone, as the wrapper then plans them. Pure:
@@ -586,13 +589,20 @@ def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: in
         return sum(b.numel for b in layout.buffers if not (expert_groups and b.kind == "expert"))
 
     planned: dict[int, tuple[int, Layout]] = {}
-    for g in sorted((g for g in range(1, dp + 1) if dp % g == 0 and per_node % g == 0), reverse=True):
+    for g in _group_candidates(dp, per_node):
         layout = plan_layout(specs, g, bucket_size, cost, replicas=dp // g, **shared)
         if dense_elements(layout) <= (1 + PADDING_TOLERANCE) * unpadded:
             return g, layout
         planned[g] = (estimated_rank_bytes(layout, grad_bytes, state_bytes), layout)
     g = min(planned, key=lambda k: (planned[k][0], -k))
     return g, planned[g][1]
+
+
+def _group_candidates(dp: int, per_node: int) -> list[int]:
+    """Owner group sizes :func:`choose_owner_group_size` tries, in order (Note [choosing the owner group size])."""
+    if per_node == 1:
+        return [dp, 1]
+    return sorted((g for g in range(1, dp + 1) if dp % g == 0 and per_node % g == 0), reverse=True)
 
 
 def choose_expert_group_size(specs: Sequence[ParamSpec], expert_dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,

@@ -428,7 +428,8 @@ def _divisors(n: int) -> list[int]:
 def test_chosen_owner_group_size_is_the_largest_on_a_node_that_pads_at_most_one_percent(specs, dp, bucket_size,
                                                                                         per_node):
     """Note [choosing the owner group size]: one group on one node; otherwise the largest divisor of the
-    ranks per node whose buffers exceed the unpadded parameters by at most 1%, else the least bytes."""
+    ranks per node (with one rank per node: all ranks, then one) whose buffers exceed the unpadded
+    parameters by at most 1%, else the least bytes."""
     g, layout = choose_owner_group_size(specs, dp, bucket_size, ranks_per_node=per_node)
     assert dp % g == 0 and layout.dp == g and layout.replicas == dp // g
     check_fill_invariants(specs, layout)  # every element once, no whole matrix across a shard, equal shards
@@ -437,11 +438,12 @@ def test_chosen_owner_group_size_is_the_largest_on_a_node_that_pads_at_most_one_
     if dp <= node:
         assert g == dp, "one node: one group"
         return
-    candidates = [d for d in _divisors(dp) if node % d == 0]
+    candidates = [dp, 1] if node == 1 else [d for d in _divisors(dp) if node % d == 0]
     assert g in candidates
+    tried_first = candidates[:candidates.index(g)]
     limit = (1 + PADDING_TOLERANCE) * sum(aligned(s.numel) for s in specs)
-    assert all(plan_layout(specs, d, bucket_size).total_numel > limit for d in candidates if d > g), \
-        "a larger group on the node would have padded little enough"
+    assert all(plan_layout(specs, d, bucket_size).total_numel > limit for d in tried_first), \
+        "a larger group would have padded little enough"
     if layout.total_numel > limit:
         need = {d: estimated_rank_bytes(plan_layout(specs, d, bucket_size, replicas=dp // d)) for d in candidates}
         assert need[g] == min(need.values()), (g, need)
