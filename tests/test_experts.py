@@ -76,19 +76,25 @@ def reference(opt_name: str, epochs_of_half: bool = False) -> dict[str, torch.Te
     return global_names(model, 0)
 
 
+def wrap_moe(groups: ProcessGroups, E: int, opt_name: str):
+    """This rank's MoE GPT (its experts of ``E``), its optimizer and the wrapper, as the strategy sets them up."""
+    model = moe_gpt(E, groups.expert_parallel_rank)
+    check_expert_marks(model, E)
+    model.set_expert_group(groups.expert_parallel)
+    opt = optimizer(opt_name, model)
+    experts = expert_parameter_names(model)
+    elementwise = elementwise_parameters(opt)
+    ddp = LayerwiseDataParallel(model, groups, bucket_size=4096, prefetch_depth=1,
+                                expert=lambda n, p: n in experts, elementwise=lambda n, p: p in elementwise)
+    ddp.use_shards_in(opt)
+    return model, opt, ddp, experts
+
+
 def _worker(rank: int, world: int, E: int, opt_names: list[str], owner_group_size: int | None = None) -> dict:
     out = {}
     for opt_name in opt_names:
         groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=owner_group_size)
-        model = moe_gpt(E, groups.expert_parallel_rank)
-        check_expert_marks(model, E)
-        model.set_expert_group(groups.expert_parallel)
-        opt = optimizer(opt_name, model)
-        experts = expert_parameter_names(model)
-        elementwise = elementwise_parameters(opt)
-        ddp = LayerwiseDataParallel(model, groups, bucket_size=4096, prefetch_depth=1,
-                                    expert=lambda n, p: n in experts, elementwise=lambda n, p: p in elementwise)
-        ddp.use_shards_in(opt)
+        model, opt, ddp, _ = wrap_moe(groups, E, opt_name)
         for tokens in batches():
             opt.zero_grad()
             loss_fn(ddp, tokens.chunk(world)[rank]).backward()

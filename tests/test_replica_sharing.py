@@ -322,20 +322,10 @@ def test_late_collectives_change_no_bit_at_six_ranks_as_three_groups_of_two():
 
 
 def _expert_worker(rank: int, world: int, E: int, g: int, ge: int | None) -> dict:
-    from test_experts import NUM_EXPERTS, batches as moe_batches, global_names, loss_fn, moe_gpt
-    from test_experts import optimizer as moe_optimizer
-    from lightning_layerwise.experts import check_expert_marks, expert_parameter_names
+    from test_experts import NUM_EXPERTS, batches as moe_batches, global_names, loss_fn, wrap_moe
 
     groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=g, expert_owner_group_size=ge)
-    model = moe_gpt(E, groups.expert_parallel_rank)
-    check_expert_marks(model, E)
-    model.set_expert_group(groups.expert_parallel)
-    opt = moe_optimizer("muon", model)
-    experts = expert_parameter_names(model)
-    elementwise = elementwise_parameters(opt)
-    ddp = LayerwiseDataParallel(model, groups, bucket_size=4096, prefetch_depth=1,
-                                expert=lambda n, p: n in experts, elementwise=lambda n, p: p in elementwise)
-    ddp.use_shards_in(opt)
+    model, opt, ddp, experts = wrap_moe(groups, E, "muon")
     with CountNewtonSchulz() as counter:
         for tokens in moe_batches():
             counter.step()
