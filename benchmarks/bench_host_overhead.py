@@ -33,24 +33,27 @@ group of its own, ``layerwise`` on the groups its session creates and destroys. 
    (``session.backward``: includes ``finish_grad_sync``, the wait for the reduce-scatters; DDP's
    backward includes its all-reduce wait), optimizer (``optimizer.step`` / ``session.step``,
    which starts the all-gather the next forward waits for);
-3. ``--steps`` more steps with the hook probe on: ``LayerwiseDataParallel._on_grad_ready``, the
-   per-parameter gradient hook, is replaced on the class in each worker (before any wrapper
-   exists: the wrapper registers the bound method at construction) by a wrapper that, when on,
-   adds the ``perf_counter`` time of each call. Reported: the hook's total time per step and per
-   call (one call per parameter per step), including the reduce-scatter a bucket's last gradient
-   dispatches (asynchronous: the dispatch, not the transfer). Off, during the timed steps, it is one extra Python
-   call per parameter. DDP's hooks run in C++: for it (and for ``layerwise``) the table gives
-   the backward time minus ``plain``'s at the same world instead;
-4. ``--memory-steps`` steps measuring memory over the backward: a thread samples the resident
-   set size (``/proc/self/statm``) every ~0.2 ms (sleep granularity and the GIL permitting) and
-   the rise is the peak minus the RSS when the backward started (freed CPU memory is usually
-   kept by the allocator and reused, so a steady-state rise near 0 is expected for small
-   tensors); and at the end of the backward the bytes of distinct storages that hold gradients:
-   the ``.grad`` of every model and optimizer parameter, plus the gradient buffers a wrapper
-   keeps besides them (``layerwise``: its flat gradient buffers; ``ddp`` without bucket views:
-   its reducer's buckets, from DDP's logging data). These steps run last because the sampler
-   thread competes for the GIL; torch's CPU allocator reports no peak and ``tracemalloc`` does
-   not see tensor memory.
+3. ``--memory-steps`` steps measuring memory (below); then the run's model is released;
+4. ``layerwise`` only: the hook probe. ``LayerwiseDataParallel._on_grad_ready``, the per-parameter
+   gradient hook, is replaced on the class while a second wrapper (fresh model, optimizer and
+   data) is built (the wrapper binds the hook at construction), then restored, so the timed
+   run above paid nothing for the probe; ``--warmup`` + ``--steps`` steps of that wrapper add
+   the ``perf_counter`` time of each hook call. Reported: hook calls per step (one per parameter
+   on several processes; on one process only parameters whose gradient takes the copy path,
+   none here: Note [in-place gradients]), the hook's time per step and per call, including the
+   reduce-scatter a bucket's last gradient dispatches (asynchronous: the dispatch, not the
+   transfer). DDP's hooks run in C++: for it (and for ``layerwise``) the table gives the
+   backward time minus ``plain``'s at the same world instead;
+
+The memory steps: a thread samples the resident set size (``/proc/self/statm``) every ~0.2 ms
+(sleep granularity and the GIL permitting) over each backward, and the rise is the peak minus
+the RSS when the backward started (freed CPU memory is usually kept by the allocator and
+reused, so a steady-state rise near 0 is expected for small tensors); and at the end of the
+backward the bytes of distinct storages that hold gradients: the ``.grad`` of every model and
+optimizer parameter, plus the gradient buffers a wrapper keeps besides them (``layerwise``:
+its flat gradient buffers; ``ddp`` without bucket views: its reducer's buckets, from DDP's
+logging data). These steps run after the timed ones because the sampler thread competes for
+the GIL; torch's CPU allocator reports no peak and ``tracemalloc`` does not see tensor memory.
 
 Every number is a median over repeats of the slowest rank's value in a run (a rank's median
 over the steps of a phase; for memory, its maximum over the memory steps). After the runs,
@@ -110,31 +113,31 @@ def build_model(blocks: int, width: int) -> nn.Module:
 
 
 class HookProbe:
-    """Times ``LayerwiseDataParallel._on_grad_ready`` while :attr:`enabled` (see the module doc, step 3)."""
+    """Times ``LayerwiseDataParallel._on_grad_ready``, the per-parameter gradient hook (module doc, step 4)."""
 
     def __init__(self) -> None:
-        self.enabled = False
         self.seconds = 0.0
         self.calls = 0
 
-    @classmethod
-    def install(cls) -> "HookProbe":
-        """Replaces the hook on the class, in this process only; wrappers made afterwards register the probe."""
-        probe = cls()
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["HookProbe"]:
+        """Replaces the hook on the class while inside: wrappers made inside register the timed hook (a wrapper
+        binds the hook at construction, so the ones made outside are not timed and pay nothing for the probe)."""
         original = llw.LayerwiseDataParallel._on_grad_ready
 
         def timed_hook(wrapper: llw.LayerwiseDataParallel, param: nn.Parameter, **kwargs) -> None:
-            if not probe.enabled:
-                return original(wrapper, param, **kwargs)
             t0 = time.perf_counter()
             try:
                 return original(wrapper, param, **kwargs)
             finally:
-                probe.seconds += time.perf_counter() - t0
-                probe.calls += 1
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
 
         llw.LayerwiseDataParallel._on_grad_ready = timed_hook
-        return probe
+        try:
+            yield self
+        finally:
+            llw.LayerwiseDataParallel._on_grad_ready = original
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
@@ -249,30 +252,36 @@ def rank_batches(n: int, rank: int, world: int, batch: int, width: int) -> list[
     return batches
 
 
-def run_config(config: str, rank: int, world: int, args: argparse.Namespace, probe: HookProbe) -> dict:
+def run_config(config: str, rank: int, world: int, args: argparse.Namespace) -> dict:
     model = build_model(args.blocks, args.width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loop = make_loop(config, model, optimizer, world)
     tensors = [*model.parameters(), *(t for g in optimizer.param_groups for t in g["params"])]
-    batches = iter(rank_batches(args.warmup + 2 * args.steps + args.memory_steps, rank, world, args.batch,
-                                args.width))
+    batches = iter(rank_batches(args.warmup + args.steps + args.memory_steps, rank, world, args.batch, args.width))
     for _ in range(args.warmup):
         train_step(loop, optimizer, *next(batches))
     timed = [train_step(loop, optimizer, *next(batches)) for _ in range(args.steps)]
-    hook_seconds, hook_calls = [], []
-    probe.enabled = True
-    for _ in range(args.steps):
-        probe.reset()
-        train_step(loop, optimizer, *next(batches))
-        hook_seconds.append(probe.seconds)
-        hook_calls.append(probe.calls)
-    probe.enabled = False
     memory = BackwardMemory(loop, tensors)
     for _ in range(args.memory_steps):
         train_step(loop, optimizer, *next(batches), around_backward=memory.watch)
     memory.close()
     loop.release()
     params = torch.cat([p.detach().double().flatten() for p in model.parameters()]) if rank == 0 else None
+    hook_seconds, hook_calls = [], []
+    if config == "layerwise":  # the hook, timed on a wrapper of its own (module doc, step 4)
+        probe = HookProbe()
+        with probe.installed():
+            model = build_model(args.blocks, args.width)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            loop = make_loop(config, model, optimizer, world)
+        batches = iter(rank_batches(args.warmup + args.steps, rank, world, args.batch, args.width))
+        for i in range(args.warmup + args.steps):
+            probe.reset()
+            train_step(loop, optimizer, *next(batches))
+            if i >= args.warmup:
+                hook_seconds.append(probe.seconds)
+                hook_calls.append(probe.calls)
+        loop.release()
     return {"phases": {phase: [t[phase] for t in timed] for phase in PHASES}, "hook_seconds": hook_seconds,
             "hook_calls": hook_calls, "rss_rise_bytes": memory.rss_rises, "grad_bytes": memory.grad_bytes,
             "params": params}
@@ -282,8 +291,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, configs: list[str], a
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    probe = HookProbe.install()
-    results = {config: run_config(config, rank, world, args, probe) for config in configs}
+    results = {config: run_config(config, rank, world, args) for config in configs}
     torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -302,7 +310,7 @@ def summarize(ranks: list[dict]) -> dict:
     """One run's numbers: the slowest rank's per-step medians (seconds to milliseconds), memory maxima."""
     summary = {f"{phase}_ms": 1e3 * max(statistics.median(r["phases"][phase]) for r in ranks) for phase in PHASES}
     calls = sum(ranks[0]["hook_calls"])
-    summary["hook_calls_per_step"] = statistics.median(ranks[0]["hook_calls"])
+    summary["hook_calls_per_step"] = statistics.median(ranks[0]["hook_calls"]) if ranks[0]["hook_calls"] else None
     summary["hook_ms_per_step"] = 1e3 * max(statistics.median(r["hook_seconds"]) for r in ranks) if calls else None
     summary["hook_us_per_call"] = (1e6 * max(sum(r["hook_seconds"]) / sum(r["hook_calls"]) for r in ranks)
                                    if calls else None)
@@ -363,12 +371,16 @@ def print_table(rows: list[dict]) -> None:
     def fmt(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
 
-    print("| config | world | step ms | vs ddp | fwd ms | bwd ms | opt ms | bwd - plain ms | hook ms/step | "
-          "hook us/param | grads MiB | bwd RSS rise MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    def calls(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    print("| config | world | step ms | vs ddp | fwd ms | bwd ms | opt ms | bwd - plain ms | hook calls/step | "
+          "hook ms/step | hook us/call | grads MiB | bwd RSS rise MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['world']} | {fmt(r['step_ms'])} | {r['step_vs_ddp']:.3f} | "
-              f"{fmt(r['forward_ms'])} | {fmt(r['backward_ms'])} | {fmt(r['optimizer_ms'])} | {fmt(r['backward_minus_plain_ms'])} | "
+              f"{fmt(r['forward_ms'])} | {fmt(r['backward_ms'])} | {fmt(r['optimizer_ms'])} | "
+              f"{fmt(r['backward_minus_plain_ms'])} | {calls(r['hook_calls_per_step'])} | "
               f"{fmt(r['hook_ms_per_step'])} | {fmt(r['hook_us_per_call'])} | {r['grad_bytes'] / 2**20:.2f} | "
               f"{r['rss_rise_bytes'] / 2**20:.2f} |")
 

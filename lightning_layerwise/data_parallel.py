@@ -63,12 +63,16 @@ Note [fixed module]
     a collective over a layout that no longer matches. Only identities and
     pointers are compared; no tensor is read. The parameters a module yields are
     those of its modules' ``_parameters`` dicts, reached through their ``_modules``
-    dicts, so the check compares the identities in each of those dicts, recorded at
-    wrapping, instead of walking ``module.parameters()`` (a recursive generator: 0.7
-    ms per forward for 192 parameters in 145 modules, the largest part of the
-    wrapper's forward overhead in ``benchmarks/bench_host_overhead.py``). The wrapper
-    holds every recorded object (``_all_params``, ``_structure``), so no identity is
-    reused while it compares them.
+    dicts, so the check compares the sizes of those dicts and the identities of their
+    values, recorded at wrapping, instead of walking ``module.parameters()`` (a
+    recursive generator: 0.7 ms per forward for 192 parameters in 145 modules, the
+    largest part of the wrapper's forward overhead in
+    ``benchmarks/bench_host_overhead.py``); both comparisons, and the storage pointers,
+    are lists built by ``map`` in C (60 µs there, from 105 µs for a Python loop over
+    the modules). The wrapper holds every recorded object (``_all_params``,
+    ``_modules_checked``), so no identity is reused while it compares them. Still
+    O(parameters): an assignment to ``.data`` runs no hook, so only reading every
+    pointer sees it.
 
 Note [compiled wrapper]
     Lightning Fabric compiles the module the strategy returns, so with
@@ -130,9 +134,11 @@ Note [gradient lifecycle]
     A bare ``loss.backward()`` that bypasses the strategy runs autograd before
     anything can restart accumulation: the first parameter to receive a gradient
     has it added into whatever ``.grad`` holds. That is harmless when its
-    ``.grad`` was cleared and detected (an error naming the fix) when it was
-    still the gradient handed out. Fabric refuses a bare ``backward`` anyway, and
-    the Trainer's hooks always go through the strategy.
+    ``.grad`` was cleared, and on several processes detected (an error naming the
+    fix) when it was still the gradient handed out. On one process the handed-out
+    gradient is the local one, so that add is plain accumulation: the sync's
+    restart carries it. Fabric refuses a bare ``backward`` anyway, and the
+    Trainer's hooks always go through the strategy.
 
     Note [in-place gradients]: a restart before a backward makes each
     parameter's slot of the zeroed buffer its ``.grad`` (where the buffer has the
@@ -140,10 +146,27 @@ Note [gradient lifecycle]
     or a master), so autograd adds every gradient straight into the bucket, as
     ``ddp``'s ``gradient_as_bucket_view`` does: no per-parameter copy, and the
     hook only marks the bucket. Other parameters, and a ``.grad`` that arrives
-    as a new tensor (cleared meanwhile, or ``backward(create_graph=True)``, which
-    sums out of place: then it already includes the slot and is copied, not
-    added), take the copy path. After the sync every ``.grad`` but those handed
-    out is ``None`` again, so between steps nothing differs from the copy path.
+    as a new tensor, take the copy path. A new tensor where the slot was assigned
+    is the parameter's whole gradient since the restart (the user cleared or set
+    ``.grad``, as in plain autograd only what follows counts; or
+    ``backward(create_graph=True)`` summed out of place, already including the
+    slot), so it is copied, not added. After the sync every ``.grad`` but those
+    handed out is ``None`` again, so between steps nothing differs from the copy
+    path.
+
+    The ``.grad`` given is not a view of the buffer but an alias of the slot's
+    memory (``_GradRecord.grad``), with a version counter of its own: autograd's
+    in-place add bumps it. On one process, which reduces nothing, a parameter
+    whose gradient is added in place therefore needs no hook at all (a Python
+    hook costs about 1.3 µs per parameter in the call from autograd alone): the
+    sync (and ``grads_pending``) reads the counters to tell which parameters
+    received a gradient, and takes a ``.grad`` that is another tensor as the
+    copy path would. Hooks remain where they do work: on several processes
+    (bucket readiness, overlapped reduce-scatters, the errors below) and for
+    copy-path parameters (masters, other dtypes). So on one process a second
+    gradient in one backward (reentrant checkpointing) and a sparse gradient
+    just add into the slot, as plain autograd would; several processes refuse
+    them by name, since there a reduced bucket cannot take another gradient.
 
     A unit whose optimizer-side tensor (a piece or a master) has
     ``requires_grad=False`` gets no gradient, as the model parameter would not
@@ -155,12 +178,13 @@ Note [gradient lifecycle]
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import operator
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from itertools import chain
 
 import torch
 import torch.distributed as dist
@@ -168,7 +192,7 @@ from torch import nn
 
 from . import collectives
 from .buffers import Bucket, FlatBuffer, allocate_buffers, view_of
-from .grad_sync import _LIVE, GradientSync, GradUnit, _GradRecord, wrapper_of
+from .grad_sync import _LIVE, GradientSync, GradUnit, _forget, _GradRecord, wrapper_of
 from .param_sync import ParameterSync
 from .layout import (DEFAULT_BUCKET_SIZE, Layout, ParamSpec, is_bucket_size, newton_schulz_cost, param_specs,
                      plan_layout)
@@ -353,8 +377,8 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         # Whether each split parameter got a gradient here this step, kept on the device so that agreeing
         # on it (Note [pieces]) needs no host transfer; set by the gradient hook, zeroed with the buffers.
         self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
-        self._split_flag = {p: flags[i] for (ps, _), flags in zip(self._split_by_group, self._split_flags)
-                            for i, p in enumerate(ps)}
+        split_flag = {p: flags[i] for (ps, _), flags in zip(self._split_by_group, self._split_flags)
+                      for i, p in enumerate(ps)}
         self._bucket_by_id = {id(p): b for p, b in self._bucket_of.items()}  # no hashing inside the read guard
         self._guarded = self.param_read_guard != "off"
         if self._guarded:
@@ -372,14 +396,16 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
 
         # What every training forward checks is still so (Note [fixed module]).
         self._all_params = list(module.parameters())
-        self._structure = [(m, _ids(m._parameters), _ids(m._modules)) for m in module.modules()]
-        self._data_ptrs = {p: p.data_ptr() for p in self._param_names}
+        self._modules_checked = list(module.modules())
+        self._structure = _structure_of(self._modules_checked)
+        self._trainable = list(self._param_names)
+        self._data_ptrs = _data_ptrs_of(self._trainable)
 
         self._micro_batch_is_last = True
         self._grads_handed_out = False
         self.compiled_forward = False
         """Whether this wrapper's forward has run inside ``torch.compile`` (Note [compiled wrapper])."""
-        self._seen: set[nn.Parameter] = set()  # parameters whose gradient arrived this step
+        self._any_seen = False  # a gradient arrived this accumulation (per parameter: _GradRecord.seen)
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
         self._gather_queue: list[Bucket] = []  # the buckets the current parameter sync gathers, in order
         self._next_gather = 0  # position in _gather_queue of the next bucket to dispatch
@@ -387,32 +413,34 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
 
         self._broadcast_from_rank0()
         # What this rank steps, in registration order (Note [gradient lifecycle]).
+        self._records: dict[nn.Parameter, _GradRecord] = {
+            p: _GradRecord(p, self._grad_views[p], self._bucket_of[p]) for p in self._param_names}
+        for p, flag in split_flag.items():
+            self._records[p].split_flag = flag
         self._units: list[GradUnit] = []
         for p in self._param_names:
             if p in self._owned:
-                self._units.append(GradUnit(p, p, self._grad_views[p], self._bucket_of[p]))
+                self._units.append(GradUnit(p, p, self._grad_views[p], self._bucket_of[p], self._records[p]))
             elif p in self._shards:
-                self._units.append(GradUnit(p, self._shards[p], self._shard_grad_views[p], self._bucket_of[p]))
+                self._units.append(GradUnit(p, self._shards[p], self._shard_grad_views[p], self._bucket_of[p],
+                                            self._records[p], split=True))
         self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
         self._unit_of.update((u.param, u) for u in self._units)
-        self._records: dict[nn.Parameter, _GradRecord] = {
-            p: _GradRecord(p, self._grad_views[p], self._bucket_of[p]) for p in self._param_names}
         self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
-        self._refresh_stepped_apart()
-        self._handed: dict[nn.Parameter, torch.Tensor] = {}  # param -> the .grad tensor the last sync gave it
+        self._unhooked: list[_GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
+        self._refresh_stepped_apart()  # registers the gradient hooks
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
         self._grad_storages = {flat.grads.untyped_storage().data_ptr() for flat in self._flat_buffers}
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
-        self._carried: set[nn.Parameter] = set()  # parameters with a carried gradient this accumulation
         self._registered = [*self._param_names, *self._shards.values()]
+        self._live = weakref.ref(self, _forget)
         for t in self._registered:
-            _LIVE[id(t)] = weakref.ref(self)
+            _LIVE[id(t)] = self._live
         from . import grad_utils  # imports this module
 
         grad_utils.install()
 
-        self._hook_handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, rec=rec))
-                              for p, rec in self._records.items()]
+        self._hook_handles = []
         if self.process_groups.dp is not None:  # one process gathers nothing: no forward ever waits
             self._hook_handles += self._register_forward_pre_hooks()
 
@@ -487,7 +515,10 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
     def grads_pending(self) -> bool:
         """True between a backward that only accumulated (inside :meth:`no_sync`) and the reducing one:
         gradients exist that :meth:`finish_grad_sync` has not reduced, so no optimizer may step yet."""
-        return bool(self._seen) and not self._grads_handed_out
+        if self._grads_handed_out:
+            return False
+        self._collect_unhooked()
+        return self._any_seen
 
     @property
     def flat_buffers(self) -> list[FlatBuffer]:
@@ -513,13 +544,13 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
 
         See Note [fixed module]. Identity and storage pointers only: no tensor is read.
         """
-        for m, params, children in self._structure:
-            if _ids(m._parameters) != params or _ids(m._modules) != children:
-                self._raise_changed()
-        with torch._C.DisableTorchFunctionSubclass():
-            for p, ptr in self._data_ptrs.items():
-                if p.data_ptr() != ptr:
-                    raise RuntimeError(
+        if _structure_of(self._modules_checked) != self._structure:
+            self._raise_changed()
+        if _data_ptrs_of(self._trainable) == self._data_ptrs:
+            return
+        for p, now, ptr in zip(self._trainable, _data_ptrs_of(self._trainable), self._data_ptrs):
+            if now != ptr:
+                raise RuntimeError(
                         f"parameter {self._param_names[p]!r} no longer lives in its bucket: its .data, dtype or "
                         "device was changed after the module was wrapped (model.half(), .to(), or an assignment "
                         "to .data during training). Convert or move the model before fit, or use the Trainer's "
@@ -607,7 +638,7 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         # The modules are those recorded at wrapping (the forward's check has just confirmed it); their
         # buffers are read now, since a model may replace a buffer object at any step. Each once, in
         # module.buffers() order.
-        buffers = list({id(b): b for m, _, _ in self._structure for b in m._buffers.values()
+        buffers = list({id(b): b for m in self._modules_checked for b in m._buffers.values()
                         if b is not None}.values())
         if buffers:
             with torch.no_grad():
@@ -658,6 +689,11 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+        for rec in self._records.values():
+            if rec.hook is not None:
+                rec.hook.remove()
+                rec.hook = None
+        self._unhooked = []
         with torch.no_grad():
             for p in self._param_names:
                 read_guard.detach(p)
@@ -676,16 +712,28 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
             if wrapper_of(t) is self:
                 del _LIVE[id(t)]
         self._registered = []
-        self._units, self._unit_of, self._stepped_apart, self._handed, self._carry = [], {}, {}, {}, []
+        self._units, self._unit_of, self._stepped_apart, self._carry = [], {}, {}, []
         self._grads_handed_out = False
         return self.module
 
 
-def _ids(entries: dict) -> tuple[int, ...]:
-    """The identities of a module's ``_parameters`` or ``_modules`` values, in order (Note [fixed module]).
+_PARAMETERS_OF = operator.attrgetter("_parameters")
+_CHILDREN_OF = operator.attrgetter("_modules")
 
-    The objects stay alive while the wrapper holds them, so an identity is never reused for another."""
-    return tuple(map(id, entries.values()))
+
+def _structure_of(modules: list[nn.Module]) -> tuple[list[int], ...]:
+    """The sizes of ``modules``' ``_parameters`` and ``_modules`` dicts and the identities of their values, in order
+    (Note [fixed module]); every loop in C. The objects stay alive while the wrapper holds them, so an identity is
+    never reused for another."""
+    params = list(map(_PARAMETERS_OF, modules))
+    children = list(map(_CHILDREN_OF, modules))
+    return (list(map(len, params)), list(map(id, chain.from_iterable(map(dict.values, params)))),
+            list(map(len, children)), list(map(id, chain.from_iterable(map(dict.values, children)))))
+
+
+def _data_ptrs_of(params: list[nn.Parameter]) -> list[int]:
+    with torch._C.DisableTorchFunctionSubclass():  # a guarded parameter's Python hook is not needed for a pointer
+        return list(map(torch._C.TensorBase.data_ptr, params))
 
 
 def layout_specs(module: nn.Module, elementwise: Callable[[str, nn.Parameter], bool] | None = None,

@@ -14,6 +14,7 @@ collective reductions over it (finite check, norms). It is a mixin: the state it
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import weakref
 from collections.abc import Callable
@@ -41,6 +42,10 @@ class GradUnit:
     slot: torch.Tensor
     """Its elements of the grad buffer (the buffer's dtype): ``main_grad``."""
     bucket: Bucket
+    record: "_GradRecord"
+    """The parameter's gradient record (what arrived this accumulation)."""
+    split: bool = False
+    """``tensor`` is a piece of a split parameter (Note [pieces])."""
     master: torch.Tensor | None = None
     """A float32 master the optimizer steps in place of ``tensor`` (``bf16-true``), set by :meth:`set_master`."""
 
@@ -51,24 +56,59 @@ class GradUnit:
 
 
 class _GradRecord:
-    """One parameter's gradient path, bound to its hook so the hook looks nothing up (Note [in-place gradients])."""
+    """One parameter's gradient path and what arrived of it this accumulation, bound to its hook so the hook looks
+    nothing up (Note [in-place gradients]); flags here, not sets of parameters: a tensor hashes in Python."""
 
-    __slots__ = ("param", "view", "bucket", "inplace", "assigned")
+    __slots__ = ("param", "view", "grad", "bucket", "inplace", "assigned", "version", "seen", "carried", "handed",
+                 "split_flag", "hook")
 
     def __init__(self, param: nn.Parameter, view: torch.Tensor, bucket: Bucket) -> None:
         self.param = param
         self.view = view
         """Its slot of the grad buffer, strided as the parameter."""
+        self.grad = _alias(view)
+        """The ``.grad`` autograd adds into: ``view``'s memory with a version counter of its own (a view shares its
+        buffer's), so an add into it shows in :attr:`version` without a hook."""
         self.bucket = bucket
         self.inplace = False
-        """Autograd may accumulate into ``view`` (same dtype; the optimizer steps the parameter itself)."""
+        """Autograd may accumulate into ``grad`` (same dtype; the optimizer steps the parameter itself)."""
         self.assigned = False
-        """``view`` was made the parameter's ``.grad`` at the last restart (or by the hook since)."""
+        """``grad`` was made the parameter's ``.grad`` at the last restart (or since)."""
+        self.version = self.grad._version
+        """``grad._version`` when arrivals were last accounted for."""
+        self.seen = False
+        """A gradient arrived this accumulation."""
+        self.carried = False
+        """A reduced gradient was carried into this accumulation (Note [gradient lifecycle])."""
+        self.handed: torch.Tensor | None = None
+        """The ``.grad`` the last sync handed out (a parameter stepped whole)."""
+        self.split_flag: torch.Tensor | None = None
+        """Its element of the on-device flags of split parameters (Note [pieces])."""
+        self.hook = None
+        """Its post-accumulate-grad hook's handle; ``None`` on one process where it adds in place."""
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``view``'s memory, not a view of anything: its version counter is its own."""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
 
 
 _LIVE: dict[int, "weakref.ref[LayerwiseDataParallel]"] = {}
 """``id(tensor)`` -> the live wrapper that trains it (its parameters, pieces and masters). Lets torch's
 gradient utilities find the wrapper behind the tensors they are given (``grad_utils.py``)."""
+
+
+def _forget(ref: "weakref.ref[LayerwiseDataParallel]") -> None:
+    """A wrapper was collected without :meth:`~LayerwiseDataParallel.release`: its entries in :data:`_LIVE` go too."""
+    for key in [key for key, value in _LIVE.items() if value is ref]:
+        del _LIVE[key]
+
+
+def live_wrappers() -> list["LayerwiseDataParallel"]:
+    """Every wrapper with an entry in :data:`_LIVE` that is still alive."""
+    refs = {id(ref): ref for ref in list(_LIVE.values())}  # by identity: a dead weak reference cannot be hashed
+    return [w for w in (ref() for ref in refs.values()) if w is not None]
 
 
 def wrapper_of(tensor) -> "LayerwiseDataParallel | None":
@@ -109,7 +149,8 @@ class GradientSync:
 
         Gradients still held (their optimizer tensor has a ``.grad``) are carried into the next
         reduction; cleared ones are dropped. A no-op while gradients accumulate. The strategies call
-        it before every backward; without it the gradient hook does, after the first gradient arrived.
+        it before every backward; without it the gradient hook does, after the first gradient arrived
+        (on one process, where in-place gradients have no hook, the sync does).
         """
         if self._grads_handed_out:
             self._restart_accumulation(carry=True)
@@ -129,7 +170,6 @@ class GradientSync:
                         unit.slot.copy_(grad)
                 carried.append(unit)
         self._carry = []
-        self._carried = {u.param for u in carried}
         if carried:
             keep = {id(u) for u in carried}
             for bucket in {u.bucket: None for u in carried}:
@@ -141,16 +181,20 @@ class GradientSync:
         for p, rec in self._records.items():
             # Note [in-place gradients]: autograd adds the next gradients straight into the (zeroed) slot.
             rec.assigned = assign and rec.inplace and p.requires_grad
-            p.grad = rec.view if rec.assigned else None
+            p.grad = rec.grad if rec.assigned else None
+            rec.version = rec.grad._version
+            rec.seen = rec.carried = False
+            rec.handed = None
             if hasattr(p, "main_grad"):
                 del p.main_grad
+        for unit in carried:
+            unit.record.carried = True
         for unit in self._stepped_apart.values():  # pieces and masters: the other units are parameters
             for t in (unit.tensor, unit.master):
                 if t is not None and t is not unit.param:
                     t.grad = None
                     if hasattr(t, "main_grad"):
                         del t.main_grad
-        self._handed.clear()
         self._copies.clear()
         for flat in self._flat_buffers:
             flat.grads.zero_()
@@ -160,11 +204,11 @@ class GradientSync:
             b.reduce = None
         self._next_reduce = 0
         self._grads_handed_out = False
-        self._seen.clear()
+        self._any_seen = False
         for flags in self._split_flags:
             flags.zero_()
-        for param in self._carried:
-            flag = self._split_flag.get(param)
+        for unit in carried:
+            flag = unit.record.split_flag
             if flag is not None:
                 flag.fill_(1.0)  # a carried piece: the parameter has a gradient this step on every rank
 
@@ -174,16 +218,38 @@ class GradientSync:
                 self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
 
-    def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord | None = None) -> None:
-        if rec is None:
-            rec = self._records[param]
+    def _collect_unhooked(self) -> None:
+        """Accounts for the gradients autograd added, unhooked, into the slots since the last call (one process;
+        Note [in-place gradients]): an add bumped the slot alias's version counter; a ``.grad`` that is another
+        tensor (cleared or replaced since the restart, or ``backward(create_graph=True)``'s out-of-place sum,
+        which already holds the slot) is the parameter's whole gradient this accumulation, copied in."""
+        arrived = False
+        with torch._C.DisableTorchFunctionSubclass():  # .grad of a guarded parameter without its Python hook
+            for rec in self._unhooked:
+                param, alias = rec.param, rec.grad
+                grad = param.grad
+                if grad is not alias and grad is not None:
+                    with torch.no_grad():
+                        if rec.assigned:
+                            rec.view.copy_(grad)
+                        else:
+                            rec.view.add_(grad)
+                    rec.assigned = param.requires_grad
+                    param.grad = alias if rec.assigned else None
+                elif alias._version == rec.version:
+                    continue
+                rec.version = alias._version
+                rec.seen = arrived = True
+        if arrived:
+            self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
+
+    def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord) -> None:
         grad = param.grad
-        view = rec.view
-        in_place = grad is view and rec.assigned  # autograd added into the slot (Note [in-place gradients])
+        in_place = grad is rec.grad and rec.assigned  # autograd added into the slot (Note [in-place gradients])
         if not in_place:
             param.grad = None  # autograd must never accumulate into a gradient the wrapper handed out
         if self._grads_handed_out:
-            if grad is not None and grad is self._handed.get(param):
+            if grad is not None and grad is rec.handed:
                 raise RuntimeError(
                     f"a backward started while {self._param_names[param]!r} still held the gradient of the last "
                     "sync, without the strategy's backward (fabric.backward, self.manual_backward) or "
@@ -191,9 +257,8 @@ class GradientSync:
                     "one. Run backward through the strategy, call wrapper.prepare_backward() before "
                     "loss.backward(), or clear the gradients first (optimizer.zero_grad())."
                 )
-            assigned = rec.assigned
             self.prepare_backward()
-            rec.assigned = assigned  # this gradient arrived before the restart: as it was then
+            rec.assigned = False  # this gradient arrived before the restart, into no slot
         if grad is None:
             return
         if grad.is_sparse:
@@ -213,20 +278,23 @@ class GradientSync:
                 "reentrant activation checkpoint, or a second backward inside one); use non-reentrant "
                 "checkpointing (use_reentrant=False)."
             )
-        if param not in self._seen:
-            self._seen.add(param)
-            flag = self._split_flag.get(param)
-            if flag is not None:
-                flag.fill_(1.0)
+        if not rec.seen:
+            rec.seen = True
+            if not self._any_seen:
+                self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
+            if rec.split_flag is not None:
+                rec.split_flag.fill_(1.0)
         if not in_place:
-            if rec.assigned and torch.is_grad_enabled():
-                # backward(create_graph=True) sums out of place: the new .grad already holds the slot's value.
+            view = rec.view
+            if rec.assigned:
+                # .grad was replaced since the slot was assigned (cleared, set by the user, or the out-of-place
+                # sum of backward(create_graph=True), which already holds the slot): it is the whole gradient.
                 view.copy_(grad.detach())
             else:
                 view.add_(grad)
             rec.assigned = rec.inplace and param.requires_grad
             if rec.assigned:
-                param.grad = view  # later backward passes of this accumulation add in place
+                param.grad = rec.grad  # later backward passes of this accumulation add in place
         if not self._micro_batch_is_last:
             return
         bucket.ready.add(id(param))
@@ -259,6 +327,7 @@ class GradientSync:
         lifecycle]); every other parameter's ``.grad`` is ``None``.
         """
         self.prepare_backward()  # a reducing backward that gave this rank no gradient still takes part
+        self._collect_unhooked()
         self.finish_param_sync()
         self._dispatch_ready_reduces(force=True)
         for bucket in self._reduce_order:
@@ -290,11 +359,11 @@ class GradientSync:
             param.grad = None
             rec.assigned = False
         for unit in self._units:
-            param = unit.param
-            if param in self._shards:
-                if not used[param]:
+            rec = unit.record
+            if unit.split:
+                if not used[unit.param]:
                     continue
-            elif param not in self._seen and param not in self._carried and not unit.slot.any():
+            elif not rec.seen and not rec.carried and not unit.slot.any():
                 # Unused on every rank: no gradient, as without the wrapper (an optimizer
                 # must not decay or add momentum to a parameter the loss never touched).
                 continue
@@ -308,7 +377,7 @@ class GradientSync:
         tensor.main_grad = slot
         tensor.grad = slot if slot.dtype == tensor.dtype else slot.to(tensor.dtype)
         if tensor is unit.param:
-            self._handed[tensor] = tensor.grad
+            unit.record.handed = tensor.grad
         if slot.dtype != tensor.dtype:
             self._copies.add(id(tensor.grad))
         if unit.master is not None:
@@ -323,14 +392,23 @@ class GradientSync:
         unit = self._unit_of[tensor]
         unit.master = master
         self._unit_of[master] = unit
-        _LIVE[id(master)] = weakref.ref(self)
+        _LIVE[id(master)] = self._live
         self._registered.append(master)
         self._refresh_stepped_apart()
 
     def _refresh_stepped_apart(self) -> None:
+        """Which parameters' gradients autograd adds in place, and which need the gradient hook for that."""
         self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
         for p, rec in self._records.items():
             rec.inplace = rec.view.dtype == p.dtype and p not in self._stepped_apart
+            # Note [in-place gradients]: one process reduces nothing, so an in-place gradient needs no hook.
+            hooked = not (rec.inplace and self.process_groups.dp is None)
+            if hooked and rec.hook is None:
+                rec.hook = p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, rec=rec))
+            elif not hooked and rec.hook is not None:
+                rec.hook.remove()
+                rec.hook = None
+        self._unhooked = [rec for rec in self._records.values() if rec.hook is None]
 
     def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
@@ -394,7 +472,7 @@ class GradientSync:
         for (params, group), flags in zip(self._split_by_group, self._split_flags):
             # experts: only their expert data-parallel ranks hold them
             collectives.all_reduce_max(flags, group)
-            if all(p in self._seen for p in params):
+            if all(self._records[p].seen for p in params):
                 used.update((p, True) for p in params)  # a maximum is 1 where ours is: no read back, no sync
             else:
                 used.update(zip(params, flags.bool().tolist()))

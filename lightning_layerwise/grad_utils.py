@@ -50,7 +50,7 @@ from torch import nn
 
 from . import clip, collectives
 from .data_parallel import LayerwiseDataParallel
-from .grad_sync import _LIVE, wrapper_of
+from .grad_sync import _LIVE, live_wrappers, wrapper_of
 
 _ORIGINAL: dict[str, Callable] = {}
 _INSTALLED = False
@@ -209,11 +209,7 @@ def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=No
 
 
 def _handed_out_by_live_wrapper(tensor: torch.Tensor) -> bool:
-    for ref in set(_LIVE.values()):
-        wrapper = ref()
-        if wrapper is not None and wrapper.dp_size > 1 and wrapper.handed_out_gradient(tensor):
-            return True
-    return False
+    return any(w.dp_size > 1 and w.handed_out_gradient(tensor) for w in live_wrappers())
 
 
 def _module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -571,55 +572,115 @@ def test_backward_passes_accumulate_until_the_gradients_are_cleared():
     ref(xs[2]).sum().backward()
     for p, r in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, r.grad)
-    # A bare backward while the gradients are still held: autograd adds into the handed-out gradient
-    # before the wrapper can set it aside, which is refused by name.
-    with pytest.raises(RuntimeError, match="still held the gradient of the last sync.*prepare_backward"):
-        out.backward()
+    # A bare backward while the gradients are still held: autograd adds into the handed-out gradient before the
+    # wrapper can set it aside. One process reduces nothing, so that is plain accumulation; several processes
+    # refuse it by name (test_errors_of_the_gradient_hook_on_two_ranks).
+    out.backward()
+    ddp.finish_grad_sync()
+    ref(xs[2]).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, r.grad)
 
 
-def test_a_gradient_arriving_twice_in_one_backward_names_reentrant_checkpointing():
-    """A weight used inside a reentrant checkpoint and outside it gets its gradient twice in one backward:
-    the second arrives after its bucket was reduced, which is refused by name (non-reentrant is fine)."""
-    from torch.utils.checkpoint import checkpoint
+class _Twice(nn.Module):
+    """A weight used inside an activation checkpoint and outside it: two gradients for it in one backward."""
 
-    class Twice(nn.Module):
-        def __init__(self, reentrant):
-            super().__init__()
-            self.a, self.reentrant = nn.Linear(4, 4, bias=False), reentrant
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.a, self.reentrant = nn.Linear(4, 4, bias=False), reentrant
 
-        def forward(self, x):
-            return self.a(checkpoint(self.a, x, use_reentrant=self.reentrant)).sum()
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
 
+        return self.a(checkpoint(self.a, x, use_reentrant=self.reentrant)).sum()
+
+
+class _SparseLookup(nn.Module):
+    """A sparse gradient from a functional lookup: not refusable at wrapping, only when it arrives."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.table, sparse=True).sum()
+
+
+def test_one_process_takes_reentrant_checkpoints_and_sparse_lookups_as_plain_autograd():
+    """One process reduces nothing, so no hook watches the gradients (Note [in-place gradients]): a weight's second
+    gradient in one backward (reentrant checkpointing) and a sparse gradient add into its slot as autograd would."""
     x = torch.randn(2, 4, requires_grad=True)
-    wrapper = LayerwiseDataParallel(Twice(reentrant=True), process_groups=ProcessGroups.single())
-    with pytest.raises(RuntimeError, match=r"'a.weight'.*after its bucket was reduced.*use_reentrant=False"):
+    for reentrant in (True, False):
+        torch.manual_seed(0)
+        model, ref = _Twice(reentrant), _Twice(reentrant)
+        ref.load_state_dict(model.state_dict())
+        wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
         wrapper(x).backward()
+        wrapper.finish_grad_sync()
+        ref(x).backward()
+        assert torch.equal(model.a.weight.grad, ref.a.weight.grad)
+        wrapper.release()
     torch.manual_seed(0)
-    model, ref = Twice(reentrant=False), Twice(reentrant=False)
+    model, ref = _SparseLookup(), _SparseLookup()
     ref.load_state_dict(model.state_dict())
     wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
-    wrapper(x).backward()
+    idx = torch.tensor([1, 2, 2])
+    wrapper(idx).backward()
     wrapper.finish_grad_sync()
-    ref(x).backward()
-    assert torch.equal(model.a.weight.grad, ref.a.weight.grad)
+    ref(idx).backward()
+    assert torch.equal(model.table.grad, ref.table.grad.to_dense())
+    wrapper.release()
 
 
-def test_a_sparse_gradient_is_refused_by_name():
-    """nn.Embedding(sparse=True) is refused at wrapping; a functional sparse lookup when its gradient arrives."""
+def _hook_errors_worker(rank, world):
+    """The three errors the gradient hook raises, each where its gradient arrives; returns the messages by case."""
+    messages = {}
+    x = torch.randn(2, 4, requires_grad=True)
+    for case, model, inputs in (("reentrant", _Twice(reentrant=True), x),
+                                ("sparse", _SparseLookup(), torch.tensor([1, 2]))):
+        torch.manual_seed(0)
+        wrapper = LayerwiseDataParallel(model)
+        try:
+            wrapper(inputs).backward()
+        except RuntimeError as err:
+            messages[case] = str(err)
+        wrapper.release()  # waits for the reduce-scatter the first gradient dispatched
+    # A bare backward while a whole owned parameter still holds its reduced gradient. Inside no_sync nothing is
+    # dispatched, so the rank that does not raise (its first gradient belongs to a parameter it does not own: it
+    # restarts and carries its held gradients correctly) starts no collective that the other never joins.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    wrapper = LayerwiseDataParallel(model)
+    wrapper(x).sum().backward()
+    wrapper.finish_grad_sync()
+    owns_last = wrapper.owns(model[2].weight)
+    try:
+        with wrapper.no_sync():
+            wrapper(x).sum().backward()
+    except RuntimeError as err:
+        messages["held"] = str(err)
+    wrapper.release()
+    return messages, owns_last
+
+
+def test_errors_of_the_gradient_hook_on_two_ranks():
+    """Several processes: a gradient arriving after its bucket was reduced (reentrant checkpointing), a sparse
+    gradient, and autograd adding into a gradient still held from the last sync are refused by name."""
+    results = run_distributed(_hook_errors_worker, 2)
+    for messages, owns_last in results:
+        assert re.search(r"'a.weight'.*after its bucket was reduced.*use_reentrant=False", messages["reentrant"])
+        assert re.search(r"'table' received a sparse gradient.*sparse=False", messages["sparse"])
+        if owns_last:  # the last layer's gradient arrives first, into the reduced gradient this rank holds
+            assert re.search(r"'2.weight' still held the gradient of the last sync.*prepare_backward",
+                             messages["held"])
+        else:
+            assert "held" not in messages
+    assert sum(owns_last for _, owns_last in results) == 1
+
+
+def test_a_sparse_embedding_is_refused_at_wrapping():
     with pytest.raises(ValueError, match=r"'0.weight' belongs to Embedding\(sparse=True\).*sparse=False"):
         LayerwiseDataParallel(nn.Sequential(nn.Embedding(5, 3, sparse=True)), process_groups=ProcessGroups.single())
-
-    class Functional(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.table = nn.Parameter(torch.randn(5, 3))
-
-        def forward(self, idx):
-            return nn.functional.embedding(idx, self.table, sparse=True).sum()
-
-    wrapper = LayerwiseDataParallel(Functional(), process_groups=ProcessGroups.single())
-    with pytest.raises(RuntimeError, match=r"'table' received a sparse gradient.*sparse=False"):
-        wrapper(torch.tensor([1, 2])).backward()
 
 
 # --- Note [in-place gradients] ----------------------------------------------------------------------------------
@@ -684,4 +745,162 @@ def test_backward_with_create_graph_adds_each_gradient_once():
         assert torch.allclose(p.grad, w, rtol=1e-6, atol=1e-7), (p.grad - w).abs().max()
     for p in model.parameters():
         p.grad = None  # create_graph leaves a reference cycle between a parameter and its gradient
+    wrapper.release()
+
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(3, 3)
+
+    def forward(self, x, use_unused=False):
+        out = self.b(self.a(x).tanh())
+        return out + self.unused(out).sum() if use_unused else out
+
+
+def _unused_net():
+    torch.manual_seed(0)
+    return _WithUnused()
+
+
+def _unused_net_loss(model, x):
+    return model(x).square().mean()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_one_process_bare_loop_keeps_every_gradient(set_to_none):
+    """One process, no hook on in-place gradients (Note [in-place gradients]), a loop that never calls
+    prepare_backward: each backward adds into whatever ``.grad`` holds (the handed-out slot, zeroed in place, or
+    a new tensor after ``set_to_none``) before the sync's restart zeroes the buffer. The restart must carry those
+    gradients, and a parameter the loss never touched must get no gradient: 4 steps of AdamW (which decays a
+    parameter with a zero gradient, and leaves one without any alone) equal plain training bitwise."""
+    model, ref = _unused_net(), _unused_net()
+    wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (model, ref))
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        x = torch.randn(4, 6, generator=g)
+        for o in (opt, ref_opt):
+            o.zero_grad(set_to_none=set_to_none)
+        _unused_net_loss(wrapper, x).backward()
+        if step == 1:  # a second backward in the same step, no prepare_backward in between either
+            _unused_net_loss(wrapper, x).backward()
+            _unused_net_loss(ref, x).backward()
+        wrapper.finish_grad_sync()
+        _unused_net_loss(ref, x).backward()
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (r.grad is None), name
+            assert r.grad is None or torch.equal(p.grad, r.grad), name
+        opt.step()
+        ref_opt.step()
+        wrapper.start_param_sync()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, r)
+    wrapper.release()
+
+
+def test_one_process_needs_no_gradient_hook_but_a_master_does():
+    """On one process an in-place gradient has no hook: autograd's add into the slot is its whole path, and the
+    slot's version counter says it arrived (``grads_pending`` inside no_sync, an unused parameter without a
+    gradient). A float32 master (another dtype: the copy path) still needs its hook."""
+    model = _unused_net()
+    wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    wrapper.prepare_backward()
+    assert not wrapper.grads_pending
+    with wrapper.no_sync():
+        _unused_net_loss(wrapper, torch.randn(4, 6)).backward()
+    assert wrapper.grads_pending
+    wrapper.finish_grad_sync()
+    assert not wrapper.grads_pending
+    assert model.unused.weight.grad is None and model.a.weight.grad is not None
+    master = model.a.weight.detach().clone()
+    wrapper.set_master(model.a.weight, master)
+    hooked = [n for n, p in model.named_parameters() if p._post_accumulate_grad_hooks]
+    assert hooked == ["a.weight"]
+    wrapper.release()
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_a_wrapper_collected_without_release_leaves_no_live_entry():
+    """Gradient utilities find wrappers through a registry of weak references; a wrapper garbage-collected without
+    release() must leave none behind (a dead weak reference cannot even be hashed)."""
+    import gc
+
+    from lightning_layerwise.grad_sync import _LIVE
+
+    keep = LayerwiseDataParallel(nn.Linear(2, 2), process_groups=ProcessGroups.single())
+    before = dict(_LIVE)
+    dropped = LayerwiseDataParallel(nn.Linear(3, 3), process_groups=ProcessGroups.single())
+    assert len(_LIVE) > len(before)
+    del dropped
+    gc.collect()
+    assert _LIVE == before
+    grads = [torch.ones(2), torch.ones(3)]
+    assert torch.nn.utils.get_total_norm(grads).item() == pytest.approx(5 ** 0.5)
+    keep.release()
+
+
+def _replaced_grad_worker(rank, world):
+    """Micro-batches: a plain backward (into the slot), one with create_graph (summed out of place into a new
+    .grad that holds the slot), then ``.grad`` of the first weight set to None by the user, then the reducing
+    backward. Every rank trains on the same batches, so the mean over ranks is each rank's own gradient."""
+    model, batches = _mlp_and_batches()
+    names = [n for n, _ in model.named_parameters()]
+    reference = [p.detach().clone() for p in model.parameters()]
+    wrapper = LayerwiseDataParallel(model)
+    wrapper.prepare_backward()
+    with wrapper.no_sync():
+        wrapper(batches[0]).square().mean().backward()
+        wrapper(batches[1]).square().mean().backward(create_graph=True)
+    model[0].weight.grad = None  # cleared between micro-batches: only what follows counts, as in plain autograd
+    wrapper(batches[2]).square().mean().backward()
+    wrapper.finish_grad_sync()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for p in model.parameters():
+        p.grad = None  # create_graph leaves a reference cycle between a parameter and its gradient
+    wrapper.release()
+    want = {n: torch.zeros_like(r) for n, r in zip(names, reference)}
+    for i, x in enumerate(batches):
+        params = [r.clone().requires_grad_() for r in reference]
+        loss = torch.func.functional_call(model, dict(zip(names, params)), (x,)).square().mean()
+        for n, g in zip(names, torch.autograd.grad(loss, params)):
+            if n != "0.weight" or i == 2:
+                want[n] += g
+    return got, want
+
+
+@pytest.mark.parametrize("world, late_ms", [(1, None), (2, None), (2, LATE_MS)])
+def test_a_replaced_grad_is_the_whole_gradient_of_its_micro_batches(world, late_ms):
+    """A ``.grad`` that is not the slot when a gradient arrives (``create_graph``'s out-of-place sum, which holds
+    the slot's value, or one the user cleared) replaces the slot's value instead of adding to it: with and without
+    the gradient hook (one process has none, Note [in-place gradients]); on two ranks also with every collective
+    late (Note [late collectives])."""
+    results = run_distributed(_replaced_grad_worker, world, late_ms=late_ms)
+    owned = set()
+    for got, want in results:
+        for name, grad in got.items():
+            owned.add(name)
+            assert torch.allclose(grad, want[name], rtol=1e-6, atol=1e-7), (name, (grad - want[name]).abs().max())
+    assert owned == set(results[0][1])
+
+
+def _switched_net_loss(model, x, use_unused):
+    return model(x, use_unused=use_unused).square().mean()
+
+
+def test_an_abandoned_backward_leaves_no_trace_in_the_next():
+    """A backward dropped with ``zero_grad_buffer`` (a step abandoned) must not make a parameter it touched look
+    used in the next accumulation: the slot's version counter is read from the restart on."""
+    model = _unused_net()
+    wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
+    _switched_net_loss(wrapper, torch.randn(4, 6), use_unused=False).backward()
+    wrapper.finish_grad_sync()
+    wrapper.prepare_backward()  # after a sync: the slots become the .grad autograd adds into
+    _switched_net_loss(wrapper, torch.randn(4, 6), use_unused=True).backward()
+    wrapper.zero_grad_buffer()
+    _switched_net_loss(wrapper, torch.randn(4, 6), use_unused=False).backward()
+    wrapper.finish_grad_sync()
+    assert model.unused.weight.grad is None and model.unused.bias.grad is None
+    assert model.a.weight.grad is not None
     wrapper.release()

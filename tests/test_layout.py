@@ -438,7 +438,7 @@ def test_chosen_owner_group_size_is_the_largest_on_a_node_that_pads_at_most_one_
     if dp <= node:
         assert g == dp, "one node: one group"
         return
-    candidates = [dp, 1] if node == 1 else [d for d in _divisors(dp) if node % d == 0]
+    candidates = [dp, 1] if node == 1 else [d for d in reversed(_divisors(dp)) if node % d == 0]  # largest first
     assert g in candidates
     tried_first = candidates[:candidates.index(g)]
     limit = (1 + PADDING_TOLERANCE) * sum(aligned(s.numel) for s in specs)
