@@ -211,15 +211,21 @@ MICRO = 2
 MAX_NORM = 0.05
 
 
+def backward_micro_batches(model: nn.Module, ddp: LayerwiseDataParallel | None, micro: list[torch.Tensor]) -> None:
+    """The mean loss over ``micro`` backward, one micro-batch at a time: through ``ddp`` with every backward but
+    the last inside ``no_sync``, or (``ddp`` None) through ``model`` alone."""
+    for i, part in enumerate(micro):
+        if ddp is not None and i < len(micro) - 1:
+            with ddp.no_sync():
+                (gpt_loss(ddp, part) / len(micro)).backward()
+        else:
+            (gpt_loss(ddp if ddp is not None else model, part) / len(micro)).backward()
+
+
 def _accumulate_step(model, ddp, opt, tokens, rank, world):
     opt.zero_grad()
     micro = tokens.chunk(world)[rank].chunk(MICRO) if ddp is not None else tokens.chunk(MICRO)
-    for i, part in enumerate(micro):
-        if ddp is not None and i < MICRO - 1:
-            with ddp.no_sync():
-                (gpt_loss(ddp, part) / MICRO).backward()
-        else:
-            (gpt_loss(ddp if ddp is not None else model, part) / MICRO).backward()
+    backward_micro_batches(model, ddp, list(micro))
     if ddp is not None:
         ddp.finish_grad_sync()
         total = clip_grad_norm_(ddp, MAX_NORM)

@@ -90,18 +90,25 @@ def wrap_moe(groups: ProcessGroups, E: int, opt_name: str):
     return model, opt, ddp, experts
 
 
+def train_moe(ddp: LayerwiseDataParallel, opt: torch.optim.Optimizer, rank: int, world: int,
+              before_step=lambda: None) -> None:
+    """Every batch of :func:`batches`, this rank's rows of each; ``before_step`` runs at the start of each step."""
+    for tokens in batches():
+        before_step()
+        opt.zero_grad()
+        loss_fn(ddp, tokens.chunk(world)[rank]).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+        ddp.start_param_sync()
+    ddp.finish_param_sync()
+
+
 def _worker(rank: int, world: int, E: int, opt_names: list[str], owner_group_size: int | None = None) -> dict:
     out = {}
     for opt_name in opt_names:
         groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=owner_group_size)
         model, opt, ddp, _ = wrap_moe(groups, E, opt_name)
-        for tokens in batches():
-            opt.zero_grad()
-            loss_fn(ddp, tokens.chunk(world)[rank]).backward()
-            ddp.finish_grad_sync()
-            opt.step()
-            ddp.start_param_sync()
-        ddp.finish_param_sync()
+        train_moe(ddp, opt, rank, world)
         ddp.check_replicas()  # dense parameters equal everywhere, experts within their data-parallel group
         local = NUM_EXPERTS // E
         out[opt_name] = {"params": global_names(model, groups.expert_parallel_rank * local),

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
+from test_elementwise_fill import backward_micro_batches, gpt_loss
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise.clip import clip_grad_norm_
 from lightning_layerwise.layout import ALIGNMENT, ParamSpec, plan_layout, share_among_replicas
@@ -150,11 +151,6 @@ def batches():
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def gpt_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    _, loss = model(tokens[:, :-1], tokens[:, 1:])
-    return loss
-
-
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -197,13 +193,7 @@ def _step(model, ddp, opt, tokens, rank, world, accumulate: bool):
     if not accumulate:
         gpt_loss(ddp if ddp is not None else model, torch.cat(rows)).backward()
     else:
-        micro = [torch.cat([r.chunk(MICRO)[i] for r in rows]) for i in range(MICRO)]
-        for i, part in enumerate(micro):
-            if ddp is not None and i < MICRO - 1:
-                with ddp.no_sync():
-                    (gpt_loss(ddp, part) / MICRO).backward()
-            else:
-                (gpt_loss(ddp if ddp is not None else model, part) / MICRO).backward()
+        backward_micro_batches(model, ddp, [torch.cat([r.chunk(MICRO)[i] for r in rows]) for i in range(MICRO)])
     norm = None
     if ddp is not None:
         ddp.finish_grad_sync()
@@ -322,19 +312,12 @@ def test_late_collectives_change_no_bit_at_six_ranks_as_three_groups_of_two():
 
 
 def _expert_worker(rank: int, world: int, E: int, g: int, ge: int | None) -> dict:
-    from test_experts import NUM_EXPERTS, batches as moe_batches, global_names, loss_fn, wrap_moe
+    from test_experts import NUM_EXPERTS, global_names, train_moe, wrap_moe
 
     groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=g, expert_owner_group_size=ge)
     model, opt, ddp, experts = wrap_moe(groups, E, "muon")
     with CountNewtonSchulz() as counter:
-        for tokens in moe_batches():
-            counter.step()
-            opt.zero_grad()
-            loss_fn(ddp, tokens.chunk(world)[rank]).backward()
-            ddp.finish_grad_sync()
-            opt.step()
-            ddp.start_param_sync()
-    ddp.finish_param_sync()
+        train_moe(ddp, opt, rank, world, before_step=counter.step)
     names = {p: n for n, p in model.named_parameters()}
     muon = [names[p] for group in muon_param_groups(model) if group["use_muon"] for p in group["params"]]
     result = {"params": global_names(model, groups.expert_parallel_rank * (NUM_EXPERTS // E)), "ns": counter.per_step,
