@@ -220,10 +220,10 @@ def bench_muon_step(device: torch.device, quick: bool) -> dict:
 
 # --- c. GPT-2 small step ---------------------------------------------------------------------------------------------
 
-def gpt_config(quick: bool) -> tuple[GPTConfig, int]:
+def gpt_config(quick: bool, batch: int | None = None) -> tuple[GPTConfig, int]:
     if quick:
-        return GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32), 2
-    return GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), 8
+        return GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_embd=32), batch or 2
+    return GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768), batch or 8
 
 
 class World1:
@@ -290,8 +290,8 @@ def _gpt_variant(name: str, config: GPTConfig, device: torch.device, world: Worl
 GPT_VARIANTS = ("plain", "layerwise_single", "layerwise_pg1", "ddp_pg1")
 
 
-def bench_gpt(device: torch.device, quick: bool, world: World1) -> dict:
-    config, batch = gpt_config(quick)
+def bench_gpt(device: torch.device, quick: bool, world: World1, batch: int | None = None) -> dict:
+    config, batch = gpt_config(quick, batch)
     g = torch.Generator(device=device).manual_seed(3)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
     targets = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
@@ -516,6 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds (smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for gpu.json, gpu.md")
+    parser.add_argument("--gpt-batch", type=int, default=None, help="the GPT step's batch size (default 8; 2 with --quick)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -563,7 +564,7 @@ def main(argv: list[str] | None = None) -> dict:
     if "gpt" in sections:
         world = World1(device)
         try:
-            result["gpt"] = bench_gpt(device, args.quick, world)
+            result["gpt"] = bench_gpt(device, args.quick, world, args.gpt_batch)
         finally:
             world.close()
         print("gpt: " + ", ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in result["gpt"]["variants"].items()),

@@ -365,15 +365,23 @@ def _probe_callback(record: dict):
             if wrapper is not None:
                 record["buckets"] = len(wrapper.buckets)
                 record["real_groups"] = wrapper.process_groups.dp is not None
-                record["overlap_after_step"] = not getattr(trainer.strategy, "_sync_after_step", True)
+                record["overlap_after_step"] = not trainer.strategy.session.sync_after_step
 
     return Probe()
 
 
-def _world1_group_factory(cls, separate_all_gather: bool = True, backend=None, timeout=None,
-                          owner_group_size=None, expert_parallel_size: int = 1):
-    """Stands in for ``ProcessGroups.create``: real one-rank NCCL groups instead of "no communication"."""
-    assert owner_group_size in (None, 1) and expert_parallel_size == 1, (owner_group_size, expert_parallel_size)
+_CREATE_PARAMETERS = frozenset(inspect.signature(llw.ProcessGroups.create).parameters)  # before any stand-in
+
+
+def _world1_group_factory(cls, separate_all_gather: bool = True, backend=None, timeout=None, **group_sizes):
+    """Stands in for ``ProcessGroups.create``: real one-rank NCCL groups instead of "no communication".
+
+    It takes whatever group-size settings ``create`` takes (``owner_group_size``, ``expert_parallel_size``, ...),
+    so a new one does not break the GPU suite; at one rank each of them must be trivial.
+    """
+    unknown = set(group_sizes) - _CREATE_PARAMETERS
+    assert not unknown, f"the stand-in was passed settings ProcessGroups.create does not take: {sorted(unknown)}"
+    assert all(v in (None, 1) for v in group_sizes.values()), group_sizes
     return _nccl_groups(separate_all_gather)
 
 
