@@ -11,6 +11,7 @@ from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from .config import LayerwiseConfig
 from .data_parallel import CollectiveError, LayerwiseDataParallel, ReplicaDivergenceError
 from .experts import mark_experts
+from .grad_sync import SplitGradient, SplitGradientError
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
 from .process_groups import ProcessGroups
@@ -53,6 +54,8 @@ __all__ = [
     "ProcessGroups",
     "ReplicaDivergenceError",
     "SessionEnv",
+    "SplitGradient",
+    "SplitGradientError",
     "StaleParameterReadError",
     "clip_grad_norm_",
     "clip_grad_value_",

@@ -23,6 +23,29 @@ Note [norm from shards]
     rounded to float32 too, as ``grad_norm_squared`` does) and is the norm of
     the gradient *buffer*, i.e. of ``main_grad``.
 
+Note [parameter lists]
+    Given a list of parameters, each rank counts (and clips) what it steps of the
+    listed parameters, named directly or through a piece or master. That is the
+    one-process answer when every rank lists the same parameters, and also when
+    each rank filters its list by ``p.grad is not None``, the usual way to pick
+    "the parameters that have a gradient": a whole parameter has a ``.grad`` on
+    its owner, the rank that counts it, and a split one on every rank stepping a
+    piece (Note [split gradients] in ``data_parallel.py``). Lists that differ in
+    any other way have no one-process answer, so the norm's all-reduce carries a
+    vote: per dense layout parameter, whether this rank holds its gradient and
+    left it out, and whether this rank named it. Summed (or maximized, for the
+    inf-norm) over the ranks, a parameter both left out by a holder and named
+    somewhere raises the same ``ValueError`` on every rank, naming it. Two rows
+    of floats per dense parameter ride along in the norm's one collective; no
+    collective is added. Expert parameters are not voted on (each
+    expert-parallel rank holds different experts under the same names); each is
+    counted by its holders' lists. ``clip_grad_value_`` communicates nothing and
+    clamps what each rank's list names of what it steps. On CPU the verdict is
+    read at once. On an accelerator reading it would stop the host every step until
+    the backward and the all-reduce ran, so it is copied to the host without
+    waiting and read at the next norm of the wrapper (or when it is released): a
+    disagreement raises there, on every rank, one call late.
+
 Note [scaling owned gradients]
     An owned parameter's ``.grad`` is a view of its slot in the grad buffer
     (``main_grad``) when the buffer has the parameter's dtype, and a copy when
@@ -64,27 +87,38 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
         norm_type: ``p > 0`` of the p-norm, or ``float('inf')`` (also ``'inf'``)
             for the largest absolute value.
         parameters: only the gradient of these (model parameters, or what an optimizer holds:
-            pieces, masters; the same set on every rank), e.g. one optimizer's parameters.
-            Default: every parameter the wrapper trains.
+            pieces, masters), e.g. one optimizer's parameters: the same set on every rank, or
+            that set filtered by ``p.grad is not None`` (Note [parameter lists]); other lists
+            raise ``ValueError`` on every rank. Default: every parameter the wrapper trains.
     """
     p = _check_norm_type(norm_type)
     _check_reduced(wrapper)
-    units = None if parameters is None else _units_of(wrapper, parameters)
-    if units is not None and len(units) == len(wrapper._units):
-        units = None  # all of this rank's gradient: whole shards (padding is zero), fewer kernels
+    units = votes = None
+    if parameters is not None:  # Note [parameter lists]
+        units, votes = wrapper.units_and_votes(_as_list(parameters))
+        if len(units) == len(wrapper.owned_units):
+            units = None  # all of this rank's gradient: whole shards (padding is zero), fewer kernels
     if math.isinf(p):
         device = wrapper.flat_buffers[0].grads.device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        tensors = [wrapper._own_shard(b) for b in wrapper.buckets] if units is None else [u.slot for u in units]
+        tensors = [wrapper.own_shard(b) for b in wrapper.buckets] if units is None else [u.slot for u in units]
         for tensor in tensors:
             if tensor.numel():
                 total = torch.maximum(total, tensor.abs().amax().float().to(total.device))
-        return _all_reduce_max(total, wrapper.process_groups.dp)  # a maximum may count elements twice
-    if p == 2.0 and units is None:
-        return wrapper.grad_norm_squared().sqrt()
-    if p == 2.0:
-        return wrapper.shard_sum(lambda g: g.float().square().sum(), units).sqrt()
-    return wrapper.shard_sum(lambda g: g.float().abs().pow(p).sum(), units).pow(1.0 / p)
+        if votes is not None:  # a maximum of the votes decides as their sum does
+            payload = _all_reduce_max(torch.cat([total.reshape(1), votes]), wrapper.process_groups.dp)
+            total, votes = payload[0], payload[1:]
+        else:
+            total = _all_reduce_max(total, wrapper.process_groups.dp)  # a maximum may count elements twice
+    elif p == 2.0 and units is None and votes is None:
+        total = wrapper.grad_norm_squared().sqrt()
+    elif p == 2.0:
+        total = wrapper.shard_sum(lambda g: g.float().square().sum(), units, extra=votes).sqrt()
+    else:
+        total = wrapper.shard_sum(lambda g: g.float().abs().pow(p).sum(), units, extra=votes).pow(1.0 / p)
+    if votes is not None:
+        wrapper.check_list_votes(votes, "clipping (or a gradient norm)")
+    return total
 
 
 def clip_grad_norm_(
@@ -175,21 +209,14 @@ def _check_reduced(wrapper: LayerwiseDataParallel) -> None:
         )
 
 
-def _units_of(wrapper: LayerwiseDataParallel, parameters) -> list:
-    """What this rank steps of ``parameters`` (each unit once, in any order given)."""
-    units, seen = [], set()
-    for t in parameters:
-        unit = wrapper.unit_of(t)
-        if unit is not None and id(unit) not in seen:
-            seen.add(id(unit))
-            units.append(unit)
-    return units
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
 def _owned_grad_tensors(wrapper: LayerwiseDataParallel, parameters=None) -> list[torch.Tensor]:
     """Every tensor holding an owned gradient: ``main_grad`` and, where they are copies, ``.grad`` of the
     parameter or piece and of its master."""
-    units = wrapper._units if parameters is None else _units_of(wrapper, parameters)
+    units = wrapper.owned_units if parameters is None else wrapper.units_of(_as_list(parameters))
     tensors = []
     for unit in units:
         holders = [t.grad for t in (unit.tensor, unit.master) if t is not None and t.grad is not None]

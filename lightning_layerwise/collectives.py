@@ -362,6 +362,14 @@ def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Te
     return tensor
 
 
+def start_all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> Collective:
+    """Starts the maximum of ``tensor`` in place over ``group``; ``wait()`` the result before reading it."""
+    if group is None:
+        return Collective(tensor, None)
+    work = _issue(group, lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=a), True)
+    return Collective(tensor, work)
+
+
 _PACK_ALIGN = 16  # bytes: every packed tensor starts where any dtype may be viewed
 
 

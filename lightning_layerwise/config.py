@@ -10,9 +10,12 @@ that LightningCLI can read the types (a test keeps the two equal).
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 from dataclasses import InitVar, dataclass, fields
 from datetime import timedelta
-from typing import Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Sequence, Union
 
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -124,11 +127,59 @@ SETTINGS: tuple[str, ...] = tuple(f.name for f in fields(LayerwiseConfig))
 """The names of the settings, in order."""
 
 
-def config_from_options(owner: str, options: dict, **fixed) -> LayerwiseConfig:
-    """A :class:`LayerwiseConfig` from keyword arguments, refusing unknown names with the list of known ones."""
+def config_from_options(owner: str, options: dict, fabric_arguments: Sequence[str] = (),
+                        **fixed) -> LayerwiseConfig:
+    """A :class:`LayerwiseConfig` from keyword arguments, refusing unknown names with the list of known ones.
+
+    ``fabric_arguments``: the strategy's own named arguments, also offered as the closest match of a misspelt name.
+    """
     unknown = sorted(set(options) - set(SETTINGS))
     if unknown:
-        raise TypeError(f"{owner} got unknown argument(s) {unknown}; its arguments are {sorted(SETTINGS)} (as "
-                        "LayerwiseStrategy's) and Fabric's own (accelerator, precision, process_group_backend, "
+        hint = did_you_mean(unknown, (*SETTINGS, *fabric_arguments))
+        raise TypeError(f"{owner} got unknown argument(s) {unknown}{hint}; its arguments are {sorted(SETTINGS)} "
+                        "(as LayerwiseStrategy's) and Fabric's own (accelerator, precision, process_group_backend, "
                         "timeout, start_method, ...).")
     return LayerwiseConfig(**options, **fixed, owner=owner)
+
+
+def named_arguments(function: Callable) -> tuple[str, ...]:
+    """The names ``function`` takes by keyword, in order (``self`` and ``*args``/``**kwargs`` left out)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in inspect.signature(function).parameters.items()
+                 if p.kind in kinds and name != "self")
+
+
+def refuse_unknown_keywords(init: Callable) -> Callable:
+    """Decorates a strategy's ``__init__`` to refuse a misspelt keyword with the closest name and the valid ones.
+
+    Python's own ``TypeError: __init__() got an unexpected keyword argument`` names neither the class nor what
+    was meant. The signature stays ``init``'s (``functools.wraps``): LightningCLI (jsonargparse) and
+    ``inspect.signature`` read the explicit arguments and their types from it, so it cannot become ``**kwargs``.
+    """
+    known = named_arguments(init)
+    settings = sorted(name for name in known if name in SETTINGS)
+    lightning = ", ".join(name for name in known if name not in SETTINGS)
+
+    @functools.wraps(init)
+    def checked(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unknown argument(s) {unknown}{did_you_mean(unknown, known)}; "
+                            f"its arguments are {settings} and Lightning's ({lightning}).")
+        init(self, *args, **kwargs)
+
+    return checked
+
+
+def did_you_mean(unknown: Sequence[str], known: Sequence[str]) -> str:
+    """`` (did you mean 'bucket_size'?)`` for the names in ``unknown`` close to one in ``known``; else ``""``.
+
+    A misspelt keyword is the usual cause of an unknown argument: naming the closest setting saves reading the list.
+    """
+    matches = {name: difflib.get_close_matches(name, known, n=1) for name in unknown}
+    pairs = [(name, close[0]) for name, close in matches.items() if close]
+    if not pairs:
+        return ""
+    if len(unknown) == 1:
+        return f" (did you mean {pairs[0][1]!r}?)"
+    return " (did you mean " + ", ".join(f"{match!r} for {name!r}" for name, match in pairs) + "?)"

@@ -25,7 +25,7 @@ Note [timing communication waits]
     (``wrapper.comm_wait_seconds = {}``) makes every wait of the wrapper add its
     wall-clock seconds under ``"reduce_scatter"``, ``"all_gather"`` or
     ``"norm_all_reduce"`` (the synchronous all-reduce of
-    :meth:`grad_norm_squared`): the time this process was blocked on
+    :meth:`shard_sum`, behind every gradient norm): the time this process was blocked on
     communication that compute did not hide. On CUDA a ``wait()`` only orders
     streams, so host wall time there does not measure exposed communication.
 
@@ -105,6 +105,29 @@ Note [pieces]
     rows no token looked up), and one process steps all of a used parameter and
     nothing of an unused one. Clipping, inf checks and norms read the shards, which
     hold exactly the elements each rank steps, so nothing changes for them.
+
+Note [split gradients]
+    Under ``ddp`` every parameter that received a gradient has a ``.grad``, and code
+    relies on that: ``[p for p in model.parameters() if p.grad is not None]`` is how
+    many loops pick what to clip. Here a rank holds the reduced gradient only of what
+    it steps. A whole parameter's ``.grad`` exists on its owner, which is enough: the
+    owner decides whether it counts. A split parameter's gradient exists on no rank,
+    only in pieces, so without more it would be ``None`` everywhere and every such
+    filter would drop it (the parameters ended 0.06-0.28 away from ``ddp`` that way).
+    So on each rank that steps a piece of a split parameter that received a gradient,
+    the sync sets the parameter's ``.grad`` to a marker, :class:`~lightning_layerwise.grad_sync.SplitGradient`:
+    a tensor whose metadata reads as the parameter's gradient's would (``is not
+    None``, shape, dtype, device) but which holds one element broadcast to that shape
+    and whose elements cannot be read: any operation on them raises
+    :class:`~lightning_layerwise.grad_sync.SplitGradientError`, naming the parameter
+    and the ways to get what the reader wants (this rank's piece, a global norm,
+    ``elementwise_fill=False``). Returning partial values instead would be silently
+    wrong. ``zero_grad(set_to_none=False)`` passes (there is nothing to zero), and a
+    deep copy of the model carries ``None``. The gradient utilities count the parameter
+    through its piece (Note [parameter lists] in ``clip.py``). A hook run before
+    autograd accumulates into the parameter restarts accumulation when it finds the
+    marker still there (a bare ``backward()`` after ``optimizer.zero_grad()``
+    cleared the pieces but not the marker), so autograd never adds into it.
 
 Note [gradient lifecycle]
     Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
@@ -256,7 +279,12 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         expert: Callable[[str, nn.Parameter], bool] | None = None,
         layout: Layout | None = None,
     ) -> None:
+        init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
+        self._init_args = init_args  # rebuild() wraps the same module again with a new layout
+        self.on_new_trainable: Callable[[list[str]], None] | None = None
+        """Called with their names when parameters outside the layout became trainable (Note [re-planning]);
+        ``None``: that raises."""
         if not is_bucket_size(bucket_size):
             raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, "
                              f"e.g. {DEFAULT_BUCKET_SIZE}.")
@@ -377,6 +405,8 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         # Whether each split parameter got a gradient here this step, kept on the device so that agreeing
         # on it (Note [pieces]) needs no host transfer; set by the gradient hook, zeroed with the buffers.
         self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
+        self._flag_reduces: list[collectives.Collective] = []  # their all-reduces in flight, one per group
+        self._list_verdict = None  # a clipping list's vote not read yet (on an accelerator; Note [parameter lists])
         split_flag = {p: flags[i] for (ps, _), flags in zip(self._split_by_group, self._split_flags)
                       for i, p in enumerate(ps)}
         self._bucket_by_id = {id(p): b for p, b in self._bucket_of.items()}  # no hashing inside the read guard
@@ -400,6 +430,7 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         self._structure = _structure_of(self._modules_checked)
         self._trainable = list(self._param_names)
         self._data_ptrs = _data_ptrs_of(self._trainable)
+        self._outside = [p for p in self._all_params if p not in self._param_names]  # frozen when wrapped
 
         self._micro_batch_is_last = True
         self._grads_handed_out = False
@@ -429,6 +460,7 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
         self._unhooked: list[_GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
         self._refresh_stepped_apart()  # registers the gradient hooks
+        self._mark_split_gradients()
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
         self._grad_storages = {flat.grads.untyped_storage().data_ptr() for flat in self._flat_buffers}
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
@@ -546,6 +578,8 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         """
         if _structure_of(self._modules_checked) != self._structure:
             self._raise_changed()
+        if self._outside and any(map(_REQUIRES_GRAD, self._outside)):
+            self._new_trainable()
         if _data_ptrs_of(self._trainable) == self._data_ptrs:
             return
         for p, now, ptr in zip(self._trainable, _data_ptrs_of(self._trainable), self._data_ptrs):
@@ -556,6 +590,35 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
                         "to .data during training). Convert or move the model before fit, or use the Trainer's "
                         "precision= argument."
                     )
+
+    def _new_trainable(self) -> None:
+        """Parameters frozen when the module was wrapped train now: re-plan, or refuse (Note [re-planning])."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        new = [names[id(p)] for p in self._outside if p.requires_grad and id(p) in names]
+        if self.on_new_trainable is None:
+            raise RuntimeError(
+                f"parameters {new[:5]} became trainable (requires_grad=True) after the module was wrapped, and "
+                "the layout has no place for their gradients. LayerwiseStrategy, LayerwiseFabricStrategy and "
+                "LayerwiseSession re-plan the layout for them by themselves; a LayerwiseDataParallel built by "
+                "hand must be rebuilt: wrapper.rebuild(layout) with a layout planned for the new parameters.")
+        self.on_new_trainable(new)
+
+    def rebuild(self, layout: Layout, elementwise: Callable[[str, nn.Parameter], bool] | None = None) -> None:
+        """Wraps the same module again, in place, with ``layout`` (Note [re-planning]); collective.
+
+        The parameters keep their objects and values; this object stays the one callers hold.
+        Buffers, buckets, pieces and hooks are made anew, so optimizers must be given the new
+        pieces (:meth:`use_shards_in`) and gradients still held are dropped. Parameter all-gathers
+        in flight are completed first.
+        """
+        keep = {"training": self.training, "comm_wait_seconds": self.comm_wait_seconds,
+                "compiled_forward": self.compiled_forward, "events": self.events,
+                "on_new_trainable": self.on_new_trainable}
+        args = dict(self._init_args, layout=layout, elementwise=elementwise, process_groups=self.process_groups)
+        self.release()
+        LayerwiseDataParallel.__init__(self, **args)
+        for name, value in keep.items():
+            setattr(self, name, value)
 
     def _raise_changed(self) -> None:
         before = {id(p): n for p, n in self._param_names.items()}
@@ -684,15 +747,17 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         else:
             self._in_flight = []
             self._gather_queue, self._next_gather = [], 0
+            self._flag_reduces = []
             for bucket in self._buckets:
                 bucket.gather = bucket.reduce = None
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
         for rec in self._records.values():
-            if rec.hook is not None:
-                rec.hook.remove()
-                rec.hook = None
+            for handle in (rec.hook, rec.split_hook):
+                if handle is not None:
+                    handle.remove()
+            rec.hook = rec.split_hook = rec.split_grad = None
         self._unhooked = []
         with torch.no_grad():
             for p in self._param_names:
@@ -714,9 +779,13 @@ class LayerwiseDataParallel(GradientSync, ParameterSync, nn.Module):
         self._registered = []
         self._units, self._unit_of, self._stepped_apart, self._carry = [], {}, {}, []
         self._grads_handed_out = False
+        if wait:
+            self.resolve_list_votes()  # the module is released first: a disagreement raises after that
+        self._list_verdict = None
         return self.module
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _PARAMETERS_OF = operator.attrgetter("_parameters")
 _CHILDREN_OF = operator.attrgetter("_modules")
 
@@ -796,6 +865,7 @@ class CollectiveError(RuntimeError):
 
 _PHASES = {
     "reduce_scatter": "gradient reduce-scatter (end of backward)",
+    "split_flags": "all-reduce of which split parameters got a gradient (end of backward)",
     "replica_reduce_scatter": "gradient reduce-scatter across owner groups (end of backward)",
     "replica_all_gather": "parameter all-gather across owner groups (before the owner group's all-gather)",
     "all_gather": "parameter all-gather (forward pre-hook, a parameter read, or a sync before eval/checkpoint)",

@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import checkpoint as ckpt
-from .config import config_from_options
+from .config import config_from_options, named_arguments
 from .data_parallel import LayerwiseDataParallel
 from .formats import Checkpoint, format_on_disk
 from .lightning_common import (SessionAdapter, check_precision, register_strategy_names, session_env,
@@ -84,7 +84,8 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
-        start_session(self, config_from_options(type(self).__name__, options, timeout=timeout,
+        own = named_arguments(LayerwiseFabricStrategy.__init__)  # offered too as the closest match of a typo
+        start_session(self, config_from_options(type(self).__name__, options, own, timeout=timeout,
                                                 start_method=start_method))  # self.session: the run
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
                          process_group_backend, timeout, start_method)
@@ -147,8 +148,9 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         session = self.session
         if session.wrapper is not None and module is not session.module:
             raise ValueError("strategy='layerwise' trains one module per Fabric, and one is set up already. Put the "
-                             "trained modules in one nn.Module (e.g. an nn.ModuleDict) and set that up with one "
-                             "optimizer; modules without trainable parameters can be set up beside it.")
+                             "trained modules in one nn.Module (e.g. an nn.ModuleDict) and set that up once with "
+                             "all their optimizers, any number of them (fabric.setup(model, opt_g, opt_d)); modules "
+                             "without trainable parameters can be set up beside it.")
         if session.wrapper is not None:
             raise ValueError("strategy='layerwise': this module is set up already; set it up once.")
 

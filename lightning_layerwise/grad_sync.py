@@ -6,7 +6,8 @@ reduce-scatters dispatched in a fixed order as buckets complete (Note [bucket or
 across the owner groups the reduce-scatter into chunks (Note [replica sharing] in
 ``layout.py``), the reduced gradient handed to what this rank steps (its units: whole
 parameters, pieces, float32 masters; Note [pieces], Note [gradient lifecycle]), and the
-collective reductions over it (finite check, norms). It is a mixin: the state it reads
+collective reductions over it (finite check, norms). A split parameter's ``.grad`` marks that it has a
+gradient without holding one (Note [split gradients]). It is a mixin: the state it reads
 (buckets, records, units, groups) is built by the wrapper's ``__init__`` in
 ``data_parallel.py``, where the notes named here are.
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from . import collectives
 from .buffers import Bucket, BucketState
+from .read_guard import METADATA_FUNCTIONS, describe
 
 if TYPE_CHECKING:
     from .data_parallel import LayerwiseDataParallel
@@ -60,7 +62,7 @@ class _GradRecord:
     nothing up (Note [in-place gradients]); flags here, not sets of parameters: a tensor hashes in Python."""
 
     __slots__ = ("param", "view", "grad", "bucket", "inplace", "assigned", "version", "seen", "carried", "handed",
-                 "split_flag", "hook")
+                 "split_flag", "hook", "split_grad", "split_hook")
 
     def __init__(self, param: nn.Parameter, view: torch.Tensor, bucket: Bucket) -> None:
         self.param = param
@@ -86,12 +88,75 @@ class _GradRecord:
         """Its element of the on-device flags of split parameters (Note [pieces])."""
         self.hook = None
         """Its post-accumulate-grad hook's handle; ``None`` on one process where it adds in place."""
+        self.split_grad: SplitGradient | None = None
+        """A split parameter this rank steps a piece of: the ``.grad`` it is handed (Note [split gradients])."""
+        self.split_hook = None
+        """The handle of the hook that clears :attr:`split_grad` before autograd accumulates into it."""
 
 
 def _alias(view: torch.Tensor) -> torch.Tensor:
     """A tensor on ``view``'s memory, not a view of anything: its version counter is its own."""
     alias = torch.empty(0, dtype=view.dtype, device=view.device)
     return alias.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+
+
+class SplitGradientError(RuntimeError):
+    """The values of a split parameter's ``.grad`` were read (Note [split gradients])."""
+
+
+class SplitGradient(torch.Tensor):
+    """The ``.grad`` of a split parameter on a rank that steps a piece of it: see Note [split gradients].
+
+    Its metadata reads as a gradient's (shape, dtype, device, ``is not None``); any operation that would read
+    its elements raises :class:`SplitGradientError`. ``zero_`` and ``requires_grad_`` pass (``zero_grad``), and
+    a deep copy of it is ``None`` (a copied model carries no gradient it cannot read)."""
+
+    param_name: str = "a split parameter"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _SPLIT_GRAD_CLEARS:
+            return args[0]  # it holds no values to clear (one element, broadcast to the shape)
+        if func in _SPLIT_GRAD_PASSES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func is torch.Tensor.__deepcopy__:
+            return None
+        name = next((t.param_name for t in args if isinstance(t, SplitGradient)), cls.param_name)
+        raise SplitGradientError(
+            f"{describe(func)} read the gradient of {name!r}, which strategy='layerwise' splits across ranks "
+            "(element-wise fill): no rank holds all of it, so its .grad only marks that it has a gradient this step "
+            "(as `p.grad is not None` does under ddp). Read this rank's piece as wrapper.shard_of(param).grad, "
+            "take norms with torch.nn.utils.clip_grad_norm_ or lightning's grad_norm (both global under the "
+            "strategy), or keep the parameter whole with elementwise_fill=False.")
+
+
+def _split_grad_passes() -> frozenset:
+    """What a split gradient lets through: every attribute of a tensor but those that hand out its values
+    (``data``, ``real``, ``imag`` and the transposes), and the methods that read no element. torch.compile
+    inspects gradients this way when it (re)compiles."""
+    base = torch._C.TensorBase
+    values = {"data", "real", "imag", "T", "H", "mT", "mH"}
+    getters = {v.__get__ for n, v in base.__dict__.items()
+               if type(v).__name__ == "getset_descriptor" and n not in values}
+    reads = {"is_nonzero", "_is_all_true", "_is_any_true"}  # predicates on the values
+    names = {n for n in dir(base) if (n.startswith("is_") or n.startswith("_is_")) and n not in reads}
+    names |= {"detach_", "data_ptr", "untyped_storage", "storage_offset", "dim", "size", "stride", "numel",
+              "nelement", "element_size", "get_device", "__len__"}
+    methods = {getattr(owner, name) for owner in (base, torch.Tensor) for name in names if hasattr(owner, name)}
+    return METADATA_FUNCTIONS | getters | methods
+
+
+_SPLIT_GRAD_CLEARS = frozenset({torch.Tensor.zero_, torch._C.TensorBase.zero_})
+_SPLIT_GRAD_PASSES = _split_grad_passes()
+
+
+def _split_gradient(param: nn.Parameter, name: str) -> SplitGradient:
+    """A marker of ``param``'s shape, dtype and device, one element broadcast: it holds nothing to read."""
+    one = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    marker = torch.Tensor._make_subclass(SplitGradient, one)
+    marker.param_name = name
+    return marker
 
 
 _LIVE: dict[int, "weakref.ref[LayerwiseDataParallel]"] = {}
@@ -173,7 +238,7 @@ class GradientSync:
         if carried:
             keep = {id(u) for u in carried}
             for bucket in {u.bucket: None for u in carried}:
-                own = self._own_shard(bucket)
+                own = self.own_shard(bucket)
                 for unit in self._units:
                     if unit.bucket is bucket and id(unit) not in keep:
                         unit.slot.zero_()  # a cleared gradient is not carried
@@ -217,6 +282,9 @@ class GradientSync:
             if bucket.reduce is not None:
                 self._wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
+        for flags_reduce in self._flag_reduces:  # the flags are zeroed next: their all-reduce must have landed
+            self._wait(flags_reduce, "split_flags")
+        self._flag_reduces = []
 
     def _collect_unhooked(self) -> None:
         """Accounts for the gradients autograd added, unhooked, into the slots since the last call (one process;
@@ -242,6 +310,13 @@ class GradientSync:
                 rec.seen = arrived = True
         if arrived:
             self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
+
+    def _before_split_accumulation(self, grad: torch.Tensor, rec: _GradRecord) -> None:
+        """A hook on a split parameter, run before autograd adds ``grad`` into its ``.grad``: a marker still
+        there from the last sync is no gradient to add to, so accumulation restarts first (Note [split
+        gradients])."""
+        if rec.param.grad is rec.split_grad:
+            self.prepare_backward()
 
     def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord) -> None:
         grad = param.grad
@@ -330,6 +405,9 @@ class GradientSync:
         self._collect_unhooked()
         self.finish_param_sync()
         self._dispatch_ready_reduces(force=True)
+        # Note [pieces]: which split parameters got a gradient anywhere, behind the reduce-scatters' waits.
+        self._flag_reduces = [collectives.start_all_reduce_max(flags, group)
+                              for (_, group), flags in zip(self._split_by_group, self._split_flags)]
         for bucket in self._reduce_order:
             if bucket.reduce is not None:
                 self._wait(bucket.reduce, "reduce_scatter")
@@ -349,7 +427,7 @@ class GradientSync:
                 self._trace("replica_rs_wait", bucket)
             if bucket.expert:
                 # Note [expert parallelism]: the expert data-parallel mean, over the E ranks that sent tokens.
-                self._own_shard(bucket).div_(self.expert_parallel_size)
+                self.own_shard(bucket).div_(self.expert_parallel_size)
             bucket.grads_state = BucketState.REDUCED
         for own, carried in self._carry:
             own.add_(carried)
@@ -374,6 +452,8 @@ class GradientSync:
         """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;
         its master (if any) the same gradient in float32."""
         slot, tensor = unit.slot, unit.tensor
+        if unit.split:  # Note [split gradients]
+            unit.param.grad = unit.record.handed = unit.record.split_grad
         tensor.main_grad = slot
         tensor.grad = slot if slot.dtype == tensor.dtype else slot.to(tensor.dtype)
         if tensor is unit.param:
@@ -396,6 +476,15 @@ class GradientSync:
         self._registered.append(master)
         self._refresh_stepped_apart()
 
+    def _mark_split_gradients(self) -> None:
+        """Each split parameter this rank steps a piece of gets its ``.grad`` marker and the hook that clears it
+        (Note [split gradients])."""
+        for unit in self._units:
+            if unit.split:
+                rec = unit.record
+                rec.split_grad = _split_gradient(unit.param, self._param_names[unit.param])
+                rec.split_hook = unit.param.register_hook(functools.partial(self._before_split_accumulation, rec=rec))
+
     def _refresh_stepped_apart(self) -> None:
         """Which parameters' gradients autograd adds in place, and which need the gradient hook for that."""
         self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
@@ -414,7 +503,8 @@ class GradientSync:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
         if not self._grads_handed_out:
             return False
-        return id(tensor) in self._copies or tensor.untyped_storage().data_ptr() in self._grad_storages
+        return isinstance(tensor, SplitGradient) or id(tensor) in self._copies \
+            or tensor.untyped_storage().data_ptr() in self._grad_storages
 
     def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
         """``param.grad`` was cleared: clear the gradient of the tensor the optimizer holds in its place (a piece,
@@ -462,23 +552,25 @@ class GradientSync:
         return [b for b in self._gather_order if id(b) in wanted]
 
     def _split_parameters_used(self) -> dict[nn.Parameter, bool]:
-        """Whether each split parameter got a gradient on any rank this step (one small all-reduce).
+        """Whether each split parameter got a gradient on any rank this step (one small all-reduce, started by
+        :meth:`finish_grad_sync` before it waits for the reduce-scatters).
 
         A piece's own gradient may be zero while the parameter was used (an embedding's
         rows no token looked up), so every piece follows the whole parameter: all of its
         pieces are stepped or none, as one process would step it or not.
         """
         used = {}
-        for (params, group), flags in zip(self._split_by_group, self._split_flags):
+        for (params, _), flags, flags_reduce in zip(self._split_by_group, self._split_flags, self._flag_reduces):
             # experts: only their expert data-parallel ranks hold them
-            collectives.all_reduce_max(flags, group)
             if all(self._records[p].seen for p in params):
-                used.update((p, True) for p in params)  # a maximum is 1 where ours is: no read back, no sync
+                # A maximum is 1 where ours is: no read back and no wait (the next restart waits).
+                used.update((p, True) for p in params)
             else:
+                self._wait(flags_reduce, "split_flags")
                 used.update(zip(params, flags.bool().tolist()))
         return used
 
-    def _own_shard(self, bucket: Bucket) -> torch.Tensor:
+    def own_shard(self, bucket: Bucket) -> torch.Tensor:
         """What this rank steps of ``bucket``'s gradient (its shard, or its chunk of it with replica sharing):
         after the sync, the mean over every rank."""
         begin, end = bucket.stepped_range
@@ -493,7 +585,7 @@ class GradientSync:
         device = self._device()
         bad = torch.zeros((), dtype=torch.float32, device=device)
         for bucket in self._buckets:
-            bad = torch.maximum(bad, (~torch.isfinite(self._own_shard(bucket))).any().float())
+            bad = torch.maximum(bad, (~torch.isfinite(self.own_shard(bucket))).any().float())
         collectives.all_reduce_max(bad, self.process_groups.dp)
         return not bool(bad.item())
 
@@ -503,14 +595,106 @@ class GradientSync:
         Valid after :meth:`finish_grad_sync`. The shards hold exactly the owned
         parameters' gradients plus zero padding, so no per-parameter loop is needed.
         """
-        t0 = time.perf_counter()
-        total = self.shard_sum(lambda shard: shard.float().square().sum())
-        if self.comm_wait_seconds is not None:
-            self._add_wait("norm_all_reduce", t0)
-        return total
+        return self.shard_sum(lambda shard: shard.float().square().sum())
 
-    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None
-                  ) -> torch.Tensor:
+    # --- lists of parameters (clipping) --------------------------------------------------------------------
+    def layout_parameter_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
+        """The model parameter ``tensor`` is, or is this rank's piece or master of; ``None`` outside the layout."""
+        if tensor in self._param_names:
+            return tensor
+        unit = self._unit_of.get(tensor)
+        return unit.param if unit is not None else None
+
+    @property
+    def owned_units(self) -> list[GradUnit]:
+        """Everything this rank steps, in registration order (Note [gradient lifecycle])."""
+        return self._units
+
+    def units_of(self, tensors) -> list[GradUnit]:
+        """What this rank steps of ``tensors`` (parameters, pieces or masters; each unit once, in list order)."""
+        return self._units_listed(tensors)[0]
+
+    def _units_listed(self, tensors) -> tuple[list[GradUnit], set]:
+        units, seen, listed = [], set(), set()
+        for t in tensors:
+            param = self.layout_parameter_of(t)
+            if param is None:
+                continue
+            listed.add(param)
+            unit = self._unit_of.get(param)
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                units.append(unit)
+        return units, listed
+
+    def units_and_votes(self, tensors) -> tuple[list[GradUnit], torch.Tensor]:
+        """:meth:`units_of` ``tensors`` and this rank's vote on the list, to be summed (or maximized) over the
+        data-parallel group and read by :meth:`check_list_votes` (Note [parameter lists])."""
+        units, listed = self._units_listed(tensors)
+        voters = self._list_voters()
+        listed_mask = torch.tensor([p in listed for p in voters], dtype=torch.bool)
+        holds = self._holds_mask
+        # row 0: this rank holds the parameter's gradient and left it out; row 1: this rank named it
+        votes = torch.cat([holds & ~listed_mask, listed_mask]).float()
+        return units, votes.to(self._device())
+
+    def check_list_votes(self, votes: torch.Tensor, what: str) -> None:
+        """Raises, on every rank alike, if the summed votes of :meth:`units_and_votes` show a parameter named on
+        some ranks and left out by a rank that holds its gradient (Note [parameter lists]).
+
+        On CPU at once. On an accelerator the verdict is copied to the host without waiting and read at the next
+        call, or at :meth:`release`: reading it now would stop the host until the step's backward and this
+        all-reduce ran, every step, for a check that nearly always passes.
+        """
+        self.resolve_list_votes()
+        n = len(self._list_voters())
+        if n == 0:
+            return
+        bad = (votes[:n] > 0) & (votes[n:] > 0)
+        if bad.device.type == "cpu":
+            self._raise_for_votes(bad, what)
+            return
+        verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+        verdict.copy_(bad.any(), non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self._list_verdict = (bad, verdict, landed, what)
+
+    def resolve_list_votes(self) -> None:
+        """Reads a verdict :meth:`check_list_votes` left on an accelerator, raising as it would have."""
+        pending, self._list_verdict = self._list_verdict, None
+        if pending is not None:
+            bad, verdict, landed, what = pending
+            landed.synchronize()  # the last call's work only: long done by the next one
+            if bool(verdict):
+                self._raise_for_votes(bad, what)
+
+    def _raise_for_votes(self, bad: torch.Tensor, what: str) -> None:
+        wrong = bad.nonzero().flatten().tolist()
+        if not wrong:
+            return
+        voters = self._list_voters()
+        names = [self._param_names[voters[i]] for i in wrong[:3]]
+        raise ValueError(
+            f"{what} was given different parameters on different ranks: {names}{' and more' if len(wrong) > 3 else ''} "
+            "are in the list on some ranks but left out on a rank that holds their gradient. Under "
+            "strategy='layerwise' a rank holds the reduced gradient only of what it steps, so the list must name "
+            "the same parameters on every rank: model.parameters(), a fixed part such as "
+            "model.decoder.parameters(), or either filtered by `p.grad is not None` (which this strategy keeps "
+            "consistent).")
+
+    def _list_voters(self) -> list[nn.Parameter]:
+        """The layout parameters a list is voted on, in layout order (the same on every rank): the dense ones;
+        an expert parameter is a different tensor on each expert-parallel rank."""
+        voters = getattr(self, "_voters", None)
+        if voters is None:
+            voters = [p for p in self._param_names if not self.is_expert(p)]
+            self._voters = voters
+            self._holds_mask = torch.tensor([p in self._unit_of for p in voters], dtype=torch.bool)
+        return voters
+
+    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None,
+                  extra: torch.Tensor | None = None) -> torch.Tensor:
         """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element.
 
         Each owner group holds the dense gradient once (with replica sharing, the world does: each
@@ -518,12 +702,14 @@ class GradientSync:
         expert data-parallel group, and those groups cover every rank.
         ``units`` (each rank its own, :meth:`unit_of`): sum ``fn`` of those units' gradients
         instead of whole shards, i.e. the part of the gradient a set of parameters holds.
-        Collective (one all-reduce, two with expert parallelism).
+        ``extra`` (float32, on the buffers' device) is summed over the data-parallel group in the same
+        all-reduce, in place. Collective (one all-reduce, two with expert parallelism).
         """
+        t0 = time.perf_counter()  # timed as "norm_all_reduce" (Note [timing communication waits])
         device = self._device()
         dense = torch.zeros((), dtype=torch.float32, device=device)
         expert = torch.zeros((), dtype=torch.float32, device=device)
-        parts = ((self._own_shard(b), b.expert) for b in self._buckets) if units is None \
+        parts = ((self.own_shard(b), b.expert) for b in self._buckets) if units is None \
             else ((u.slot, u.bucket.expert) for u in units)
         for tensor, is_expert in parts:
             value = fn(tensor).to(device)
@@ -531,8 +717,15 @@ class GradientSync:
                 expert += value
             else:
                 dense += value
-        collectives.all_reduce_sum(dense, self.layout_group)
+        if extra is not None:  # the layout group spans the data-parallel group (Note [replica sharing])
+            payload = collectives.all_reduce_sum(torch.cat([dense.reshape(1), extra]), self.layout_group)
+            dense = payload[0]
+            extra.copy_(payload[1:])
+        else:
+            collectives.all_reduce_sum(dense, self.layout_group)
         if self.expert_parallel_size > 1:
             collectives.all_reduce_sum(expert, self.process_groups.dp)
             dense += expert
+        if self.comm_wait_seconds is not None:
+            self._add_wait("norm_all_reduce", t0)
         return dense

@@ -118,7 +118,14 @@ def _lightning_grad_norm_entry(module, norm_type, group_separator="/"):
 # --- which wrapper ---------------------------------------------------------------------------------------------
 
 def _synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
-    """The live wrapper among ``tensors`` whose gradients are reduced now, or ``None`` (then the original runs)."""
+    """The live wrapper among ``tensors`` whose gradients are reduced now, or ``None`` (then the original runs).
+
+    A list naming no tensor of any wrapper still goes to the one live wrapper whose gradients are reduced, if
+    there is one: a list filtered by ``p.grad is not None`` is empty on a rank that steps none of the listed
+    parameters while the other ranks' lists are not, and that rank must take part in the norm's collective
+    (Note [parameter lists] in ``clip.py``). Every rank makes the same choice, as every rank holds the same
+    wrappers; a call about other tensors only then adds one small all-reduce and gives torch's result.
+    """
     found = None
     for t in tensors:
         wrapper = wrapper_of(t)
@@ -128,6 +135,9 @@ def _synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
             raise ValueError("these parameters are trained by two different layer-wise wrappers at once; clip the "
                              "parameters of each wrapper separately.")
         found = wrapper
+    if found is None:
+        synced = [w for w in live_wrappers() if w.grads_synced]
+        found = synced[0] if len(synced) == 1 else None
     return found if found is not None and found.grads_synced else None
 
 

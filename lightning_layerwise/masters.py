@@ -49,6 +49,10 @@ class MasterWeights:
             if p in optimizer.state:
                 optimizer.state[master] = optimizer.state.pop(p)
 
+    def stepped(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The master the optimizers hold in place of ``tensor`` (an owned parameter or piece), else ``tensor``."""
+        return self._swap.get(tensor, tensor)
+
     @property
     def numel(self) -> int:
         return sum(m.numel() for _, m in self.pairs)

@@ -7,6 +7,23 @@ order (Note [bucket order]) and awaited by the forward pre-hook of the first mod
 that needs a bucket, by a read of a pending parameter (Note [stale reads]), or by
 :meth:`~ParameterSync.finish_param_sync`. A mixin: the state it reads is built by the
 wrapper's ``__init__`` in ``data_parallel.py``, where the notes named here are.
+
+Note [compiled pre-hooks]
+    ``torch.compile`` traces the forward pre-hooks with the module (Note [compiled
+    wrapper] in ``data_parallel.py``), and dynamo guards the graph on the Python state
+    the hook reads: ``_next_gather`` (an integer attribute of a module, so specialized
+    to its value), the lengths of ``_gather_queue`` and ``_in_flight``. Compiled models
+    run with every bucket synced (the strategies complete the all-gather inside the step
+    under ``overlap_param_gather="auto"``), but a finished sync used to leave
+    ``_next_gather == len(_gather_queue)`` at the number of buckets the step gathered,
+    not the 0 of the first forward, so every compiled model compiled twice (and again
+    whenever a step gathered another number of buckets). The last bucket to land now
+    empties the queue (:meth:`ParameterSync._wait_oldest_gather`): "synced" is one
+    state, ``([], 0, [])``, and the graph compiles once. The hook stays traceable rather
+    than ``torch.compiler.disable``d: a disabled hook would break the graph at every
+    module that holds parameters and fail ``fullgraph=True``; and a forward that does
+    find buckets in flight (``overlap_param_gather=True``) fails the guards, recompiles
+    and waits for them as an eager forward would.
 """
 
 from __future__ import annotations
@@ -117,6 +134,8 @@ class ParameterSync:
         for p in bucket.params:
             read_guard.restore(p)
         self._trace("ag_wait", bucket)
+        if not self._in_flight and self._next_gather >= len(self._gather_queue):
+            self._gather_queue, self._next_gather = [], 0  # Note [compiled pre-hooks]: synced is one state
 
     def _top_up_gathers(self) -> None:
         while len(self._in_flight) < self.prefetch_depth and self._next_gather < len(self._gather_queue):

@@ -79,7 +79,8 @@ def _metadata_functions() -> frozenset:
     return frozenset(funcs)
 
 
-_METADATA = _metadata_functions()
+METADATA_FUNCTIONS = _metadata_functions()
+"""Tensor operations that read no element (also what a split gradient allows, ``grad_sync.SplitGradient``)."""
 _ON_READ: dict[int, weakref.WeakMethod] = {}
 """``id(param)`` -> the wrapper's ``callback(param, func)`` that makes it current or raises. Kept out of the
 parameter itself so that ``copy.deepcopy`` and pickling of a model never reach the wrapper."""
@@ -91,7 +92,7 @@ class PendingParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _METADATA:
+        if func not in METADATA_FUNCTIONS:
             for leaf in tree_leaves((args, kwargs)):
                 if type(leaf) is PendingParameter:  # still pending: an earlier wait may have landed it
                     ref = _ON_READ.get(id(leaf))

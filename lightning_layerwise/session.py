@@ -20,6 +20,35 @@ the run that does not depend on who calls it:
 * :meth:`~LayerwiseSession.release`: waits for what is in flight, unwraps the module and
   destroys the run's groups.
 
+Note [re-planning]
+    The layout is planned from the parameters that train when the module is wrapped.
+    Freezing one later needs nothing: it gets no gradient, so the optimizer skips it as
+    an unused parameter (its slot stays in its bucket and sends zeros; that is what
+    lets ``toggle_optimizer`` flip ``requires_grad`` every step for free). A parameter
+    frozen *at* wrapping (``BaseFinetuning.freeze_before_training``, a frozen backbone)
+    has no slot, so when it trains again its gradient would never be reduced and the
+    ranks would drift apart, as they do under ``ddp``, which builds its reducer once.
+    So every training forward checks, among the parameters outside the layout, whether
+    one has ``requires_grad=True`` (one attribute read each). The first forward that
+    finds one re-plans, on every rank, before any collective of the step: the
+    optimizers' full state is gathered to rank 0 and broadcast (what a full checkpoint
+    costs: every rank holds it for a moment, in host memory), each optimizer's groups
+    get the model's parameters back in place of pieces and masters, the layout is
+    planned again for the owner groups the run already has, the wrapper is rebuilt in
+    place (:meth:`LayerwiseDataParallel.rebuild`: the same object, parameters and
+    values, new buffers, pieces and hooks), the optimizers get the new pieces and
+    masters, and each rank keeps the state of what it steps now, sliced from the full
+    state as a resumed checkpoint is. Gradients still held from before the change are
+    dropped, as the ``zero_grad`` before the next backward would drop them; a change
+    while gradients accumulate inside ``no_sync`` is refused. The change must be made
+    on every rank alike (``BaseFinetuning`` does); the rebuild checks the trainable
+    set is the same everywhere and raises otherwise.
+
+    A param group added with ``optimizer.add_param_group`` (``unfreeze_and_add_param_group``)
+    gets its pieces and masters at the next step (:meth:`LayerwiseSession.before_step`).
+    ``BaseFinetuning`` maps the optimizers' tensors to parameter names by identity; the
+    Trainer strategy maps pieces and masters to their parameters for it.
+
 A plain torch loop under ``torchrun``::
 
     session = LayerwiseSession(LayerwiseConfig(bucket_size=2**22))  # env from torch.distributed
@@ -123,6 +152,11 @@ class LayerwiseSession:
 
     def __init__(self, config: Optional[LayerwiseConfig] = None, env: Optional[SessionEnv] = None, *,
                  name: str = "LayerwiseSession") -> None:
+        if config is not None and not isinstance(config, LayerwiseConfig):  # else an AttributeError at first use
+            fix = "LayerwiseConfig(**options)" if isinstance(config, dict) else "LayerwiseConfig(bucket_size=...)"
+            raise TypeError(f"{name}(config={config!r}): config must be a LayerwiseConfig (got "
+                            f"{type(config).__name__}); pass LayerwiseSession({fix}), which checks every setting and "
+                            "names a misspelt one.")
         self.config = config if config is not None else LayerwiseConfig(owner=name)
         self._env = env
         self.name = name
@@ -139,9 +173,14 @@ class LayerwiseSession:
         self.skipped_steps = 0
         """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
         self.steps = 0  # optimizer steps since wrapping, for replica_check_every
+        self.replans = 0
+        """How often the layout was planned again since wrapping (Note [re-planning])."""
         self._names: dict[torch.Tensor, str] = {}  # parameter (piece, master) -> checkpoint name; kept by release
         self._expert_map: dict[str, str] = {}  # local -> global expert names (Note [expert checkpoints])
         self._released_ownership: Optional[ckpt.Ownership] = None  # the last layout's, kept by release
+        self._elementwise = True  # wrap(elementwise=...): whether re-planning may split parameters again
+        self._expert: Optional[Callable[[str, torch.nn.Parameter], bool]] = None  # which parameters are experts
+        self._group_counts: list[int] = []  # param groups per optimizer when they last got their pieces
 
     # --- the environment ---------------------------------------------------------------------------------------------
     @property
@@ -179,6 +218,7 @@ class LayerwiseSession:
         self._released_ownership = None
         self.masters = None
         reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
+        self._elementwise = elementwise
         predicate = self._elementwise_predicate() if elementwise else None
         experts = self._expert_names()
         E = self.config.expert_parallel_size
@@ -196,8 +236,8 @@ class LayerwiseSession:
             overlap_param_gather=c.overlap_param_gather is not False, prefetch_depth=c.prefetch_depth,
             grad_reduce_dtype=self._grad_reduce_dtype(), broadcast_buffers=c.broadcast_buffers,
             param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout)
-        for optimizer in optimizers:
-            self.wrapper.use_shards_in(optimizer)
+        self.wrapper.on_new_trainable = self._replan
+        self._expert = expert
         self._after_optimizers()
         return self.wrapper
 
@@ -206,18 +246,83 @@ class LayerwiseSession:
         if self.wrapper is None:
             raise RuntimeError(f"{self.name}: wrap the module before adding an optimizer.")
         self.optimizers.append(optimizer)
-        self.wrapper.use_shards_in(optimizer)
         self._after_optimizers()
 
     def _after_optimizers(self) -> None:
         """Master weights (made once, put in every optimizer) and checkpoint names."""
         self.steps = 0
+        self._use_stepped_tensors()
+
+    def _use_stepped_tensors(self) -> None:
+        """Every optimizer holds what this rank steps in place of the parameters: pieces, masters (also in a
+        param group added since, ``optimizer.add_param_group``)."""
+        if self.wrapper is not None:
+            for optimizer in self.optimizers:
+                self.wrapper.use_shards_in(optimizer)
         if self.master_weights and self.optimizers and self.wrapper is not None:
             if self.masters is None:
                 self.masters = MasterWeights(self.wrapper, self._global_name)
             for optimizer in self.optimizers:
                 self.masters.use_in(optimizer)
         self._names = self._checkpoint_names()
+        self._group_counts = [len(optimizer.param_groups) for optimizer in self.optimizers]
+
+    # --- re-planning (Note [re-planning]) ----------------------------------------------------------------------------
+    def _replan(self, names: list[str]) -> None:
+        """Parameters frozen when the module was wrapped now train (collective, at the first training forward
+        after the change): their gradients need a place in the layout. Plans the layout again for the module
+        as it is now, with the owner groups unchanged, moves the optimizer state to the new owners and hands
+        the optimizers the new pieces."""
+        wrapper = self.wrapper
+        wrapper.finish_param_sync()
+        if wrapper.grads_pending:
+            raise RuntimeError(
+                f"{self.name}: parameters {names[:5]} became trainable while gradients were accumulating inside "
+                "no_sync. Change requires_grad between optimizer steps (after the step, before the next "
+                "step's first backward).")
+        self.env.info(f"{self.name}: {len(names)} parameter(s) became trainable ({', '.join(names[:3])}"
+                      f"{', ...' if len(names) > 3 else ''}); the layout is planned again for them.")
+        full = FORMATS["full"]
+        states = [_to_cpu(full.optimizer_state(self, optimizer)) for optimizer in self.optimizers]
+        states = self.env.broadcast(states)  # rank 0 holds the gathered state; every rank keeps what it steps
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [self.model_parameter(t) for t in group["params"]]
+            optimizer.state.clear()
+        predicate = self._elementwise_predicate() if self._elementwise else None
+        specs = layout_specs(self.module, elementwise=predicate, expert=self._expert)
+        layout = self._plan_for_groups(specs, self._expert is not None)
+        steps, self.masters = self.steps, None
+        wrapper.rebuild(layout, elementwise=predicate)
+        self.replans += 1
+        self._use_stepped_tensors()
+        self.steps = steps
+        if self.optimizers:
+            self.load_optimizer_states(self.optimizers, states)
+
+    def stepped_tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """What the optimizers hold for the model parameter ``param`` on this rank: its piece, its float32
+        master, or ``param`` itself."""
+        wrapper = self.wrapper
+        if wrapper is None:
+            return param
+        shard = wrapper.shard_of(param)
+        tensor = param if shard is None else shard
+        return self.masters.stepped(tensor) if self.masters is not None else tensor
+
+    def model_parameter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The model parameter an optimizer's tensor stands for (inverse of :meth:`stepped_tensor`)."""
+        return tensor if self.wrapper is None else _model_parameter(self.wrapper, tensor)
+
+    def _plan_for_groups(self, specs, has_experts: bool) -> Layout:
+        """A layout for the process groups this run already has (the same owner and expert group sizes)."""
+        c, world, groups = self.config, self.env.world_size, self.groups
+        g = groups.owner_size
+        E = c.expert_parallel_size
+        expert_dp = world // E if has_experts and E > 1 else None
+        ge = groups.expert_owner_size if expert_dp is not None else None
+        return plan_layout(specs, g, c.bucket_size, expert_dp=ge, replicas=world // g,
+                           expert_replicas=expert_dp // ge if ge else 1)
 
     def _plan(self, specs, has_experts: bool) -> tuple[int, Optional[Layout]]:
         """The owner group size and its layout, planned once (Note [choosing the owner group size] in layout.py).
@@ -331,6 +436,8 @@ class LayerwiseSession:
         if wrapper is None:
             return
         wrapper.finish_param_sync()
+        if [len(optimizer.param_groups) for optimizer in self.optimizers] != self._group_counts:
+            self._use_stepped_tensors()  # optimizer.add_param_group since the last step: pieces and masters
         if wrapper.grads_pending:
             raise RuntimeError(
                 f"strategy='layerwise': {what} with gradients that were never reduced: the last backward ran "
@@ -526,8 +633,11 @@ class LayerwiseSession:
         wrapper = self.wrapper
         if wrapper is None:
             return {}
-        return {shard: (wrapper.piece_of(p), tuple(p.shape)) for p, _ in wrapper.named_parameters_in_layout()
-                for shard in [wrapper.shard_of(p)] if shard is not None}
+        pieces = {shard: (wrapper.piece_of(p), tuple(p.shape)) for p, _ in wrapper.named_parameters_in_layout()
+                  for shard in [wrapper.shard_of(p)] if shard is not None}
+        if self.masters is not None:  # the optimizer steps a piece's float32 master in its place
+            pieces.update({self.masters.stepped(shard): entry for shard, entry in list(pieces.items())})
+        return pieces
 
     def _global_name(self, key: str) -> str:
         """A parameter's or state-dict key's name in checkpoints (Note [expert checkpoints] in checkpoint.py)."""
@@ -630,6 +740,22 @@ def is_compiled(module) -> bool:
     optimized = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
     optimized = getattr(optimized, "OptimizedModule", None)
     return optimized is not None and any(isinstance(m, optimized) for m in module.modules())
+
+
+def _model_parameter(wrapper: LayerwiseDataParallel, tensor: torch.Tensor) -> torch.Tensor:
+    """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself."""
+    param = wrapper.layout_parameter_of(tensor)
+    return tensor if param is None else param
+
+
+def _to_cpu(value):
+    if torch.is_tensor(value):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 def _own_copy(value):

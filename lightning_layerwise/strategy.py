@@ -55,7 +55,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import checkpoint as ckpt
-from .config import LayerwiseConfig
+from .config import LayerwiseConfig, refuse_unknown_keywords
 from .formats import Checkpoint
 from .layout import DEFAULT_BUCKET_SIZE
 from .lightning_common import (SessionAdapter, check_precision, register_strategy_names, session_env,
@@ -160,6 +160,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     _accelerator_classes = (CPUAccelerator, CUDAAccelerator)
     _accelerator_fix = "accelerator='cpu' or accelerator='gpu' (CUDA)"
 
+    @refuse_unknown_keywords  # a misspelt keyword names the closest argument; the signature stays this one
     def __init__(
         self,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -266,6 +267,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self.session.sync_after_step = self._needs_sync_after_step(trainer)
+            _finetuning_sees_parameters(trainer, self.session)
 
     def _needs_sync_after_step(self, trainer) -> bool:
         """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
@@ -396,6 +398,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        _restore_finetuning_param_groups(self.lightning_module)
         self.session.load_optimizer_states(self._user_optimizers(), checkpoint["optimizer_states"])
 
     # --- teardown ----------------------------------------------------------------------
@@ -416,6 +419,47 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
 # (checkpointing syncs through lightning_module_state_dict).
 _PARAMETER_SAFE_CALLBACKS = (ModelCheckpoint, LearningRateMonitor, ProgressBar, ModelSummary, Timer, EarlyStopping)
 _BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_epoch_end")
+
+
+def _finetuning_sees_parameters(trainer, session) -> None:
+    """``BaseFinetuning`` records the optimizers' param groups by parameter name (``_store``) and restores them
+    by name when resuming (``on_fit_start``), looking tensors up by identity among the module's parameters.
+    The optimizers hold pieces and masters in their place here, so each such callback maps through the
+    session: an optimizer's tensor to its parameter's name, a name to the tensor the optimizer holds for it
+    (Note [re-planning] in ``session.py``)."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    def apply_mapping(param_groups: list, mapping: dict) -> list:
+        by_name = bool(mapping) and isinstance(next(iter(mapping)), str)
+        out = []
+        for group in param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            if by_name:  # restoring: names -> what the optimizer steps
+                entry["params"] = [session.stepped_tensor(mapping[name]) for name in group["params"]]
+            else:  # recording: what the optimizer steps -> names
+                entry["params"] = [mapping[session.model_parameter(t)] for t in group["params"]]
+            out.append(entry)
+        return out
+
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning):
+            callback._apply_mapping_to_param_groups = apply_mapping
+
+
+def _restore_finetuning_param_groups(module: Optional[LightningModule]) -> None:
+    """``BaseFinetuning`` restores the param groups it added (``unfreeze_and_add_param_group``) in its
+    ``on_fit_start``, from the state its ``load_state_dict`` received. A strategy that restores checkpoints
+    after set-up, as this one must (the layout decides who keeps which state), hands the callbacks their state
+    only after ``on_fit_start``, so the groups would be missing when the optimizer state is loaded. They are
+    restored here, just before, by the callback's own ``on_fit_start`` (it acts only while restarting)."""
+    from lightning.pytorch.callbacks import BaseFinetuning
+
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None:
+        return
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning) and getattr(callback, "_restarting", False):
+            callback.on_fit_start(trainer, module)
 
 
 def _parameter_readers(trainer) -> list[str]:

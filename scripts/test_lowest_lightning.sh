@@ -11,4 +11,4 @@ fi
 .venv-lowest/bin/python -c "import lightning; print('lightning', lightning.__version__)"
 exec .venv-lowest/bin/python -m pytest -q -k "not late" "$@" \
   tests/test_strategy.py tests/test_fabric.py tests/test_trainer_features.py tests/test_ddp_patterns.py \
-  tests/test_checkpoint_resharding.py tests/test_cli.py
+  tests/test_checkpoint_resharding.py tests/test_cli.py tests/test_finetuning.py

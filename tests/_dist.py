@@ -131,3 +131,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             codes = {r: ctx.processes[r].exitcode for r in missing}
             raise RuntimeError(f"ranks {missing} died without a result (exit codes {codes})")
         return [outcomes[r][1] for r in range(world_size)]
+
+
+def counting_compiler() -> tuple[Callable, list]:
+    """A ``torch.compile`` backend that runs each graph eagerly and records it: ``(backend, graphs)``.
+
+    Resets dynamo first: a forked worker inherits what the test process compiled.
+    """
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs: list = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    return backend, graphs

@@ -395,10 +395,14 @@ def _total_norm_worker(rank, world):
         torch.nn.utils.get_total_norm(grads)
     except ValueError as error:
         outcome = str(error)
-    # The suggested replacement: the global norm, gradients unchanged.
-    before = [g.clone() for g in grads]
+    # The suggested replacement: the global norm, gradients unchanged (a split parameter's .grad holds no values:
+    # Note [split gradients]; its piece's gradient is compared instead).
+    held = [g for g in grads if not isinstance(g, llw.SplitGradient)]
+    wrapper = fabric.strategy.wrapper
+    held += [wrapper.shard_of(p).grad for p in model.parameters() if isinstance(p.grad, llw.SplitGradient)]
+    before = [g.clone() for g in held]
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
-    unchanged = all(torch.equal(a, b) for a, b in zip(before, grads))
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, held))
     fabric.strategy.teardown()
     return outcome, total, unchanged, len(grads)
 

@@ -23,7 +23,7 @@ from lightning.fabric import Fabric
 from torch import nn
 
 import lightning_layerwise as llw
-from _dist import LATE_MS, reference_threads, run_distributed
+from _dist import LATE_MS, counting_compiler, reference_threads, run_distributed
 from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, rel_err, snapshot
 from test_stale_reads import CASES as READ_CASES
 from test_stale_reads import STEPS as READ_STEPS
@@ -395,7 +395,11 @@ MISUSES = {
     "step after no_backward_sync only": r"RuntimeError: strategy='layerwise': optimizer\.step\(\) after a backward "
                                         r"inside fabric\.no_backward_sync\(model\)",
     "optimizers before the module": r"RuntimeError: strategy='layerwise': set up the module first",
-    "a second trained module": r"ValueError: strategy='layerwise' trains one module per Fabric",
+    "a second trained module": r"ValueError: strategy='layerwise' trains one module per Fabric, and one is set up "
+                               r"already\. Put the trained modules in one nn\.Module \(e\.g\. an nn\.ModuleDict\) "
+                               r"and set that up once with all their optimizers, any number of them "
+                               r"\(fabric\.setup\(model, opt_g, opt_d\)\); modules without trainable parameters "
+                               r"can be set up beside it\.$",
     "an optimizer of another module": r"ValueError: the optimizer holds \d+ tensor\(s\) that are not parameters "
                                       r"of the module being set up",
 }
@@ -422,9 +426,16 @@ def test_registered_for_fabric_with_the_launch_variants():
 def test_bad_arguments_and_plugins_are_refused_at_construction():
     with pytest.raises(ValueError, match=r"^LayerwiseFabricStrategy\(bucket_size=0\): pass a positive number"):
         llw.LayerwiseFabricStrategy(bucket_size=0)
-    with pytest.raises(TypeError, match=r"^LayerwiseFabricStrategy got unknown argument\(s\) \['bucket_sise'\]; "
-                                        r"its arguments are \[.*'bucket_size'"):
+    with pytest.raises(TypeError, match=r"^LayerwiseFabricStrategy got unknown argument\(s\) \['bucket_sise'\] "
+                                        r"\(did you mean 'bucket_size'\?\); its arguments are \[.*'bucket_size'"):
         llw.LayerwiseFabricStrategy(bucket_sise=10)
+    # Fabric's own arguments are matched too; a name close to none gets no guess.
+    with pytest.raises(TypeError, match=r"^LayerwiseFabricStrategy got unknown argument\(s\) \['precison', 'zzz'\] "
+                                        r"\(did you mean 'precision' for 'precison'\?\); its arguments are \[.*\] "
+                                        r"\(as LayerwiseStrategy's\) and Fabric's own \(accelerator, precision, "):
+        llw.LayerwiseFabricStrategy(precison="bf16-mixed", zzz=1)
+    with pytest.raises(TypeError, match=r"^LayerwiseFabricStrategy got unknown argument\(s\) \['zzz'\]; its"):
+        llw.LayerwiseFabricStrategy(zzz=1)
     from lightning.fabric.plugins.precision import Precision
 
     class CustomPrecision(Precision):
@@ -598,6 +609,33 @@ def test_overlap_true_with_a_compiled_model_is_refused_at_the_first_step():
     for message in run_distributed(_compiled_worker, 2, True):
         assert isinstance(message, str) and message.startswith(
             "LayerwiseFabricStrategy(overlap_param_gather=True) with a model compiled around"), message
+
+
+def _compile_count_worker(rank, world):
+    backend, graphs = counting_compiler()
+
+    fabric = make_fabric(world, bucket_size=64)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # Fabric compiles the strategy's wrapper with the same backend (Note [compiled wrapper]).
+    model, opt = fabric.setup(torch.compile(model, backend=backend), opt)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        opt.zero_grad()
+        fabric.backward(model(torch.randn(4, 8, generator=g)).square().mean())
+        opt.step()
+    compiled = fabric.strategy.wrapper.compiled_forward
+    fabric.strategy.teardown()
+    return len(graphs), compiled
+
+
+def test_a_compiled_model_compiles_once_under_fabric():
+    """Note [compiled pre-hooks] (param_sync.py): the forward pre-hooks traced with the model guard only on a state
+    that is the same at every synced forward, so 4 steps compile once."""
+    for rank, (compiles, compiled) in enumerate(run_distributed(_compile_count_worker, 2)):
+        assert compiled, "the wrapper's forward ran compiled"
+        assert compiles == 1, f"rank {rank}: the model compiled {compiles} times in 4 steps"
 
 
 def _moe_full_load_worker(rank, world, path):

@@ -918,3 +918,98 @@ def test_fabric_on_one_gpu_matches_fabric_ddp(precision, compiled):
             assert got["scale"] == ddp["scale"], (kind, got["scale"], ddp["scale"])
             if kind == "layerwise_nccl":
                 assert got["scaler"] == "ShardedGradScaler", got["scaler"]
+
+
+# --- clipping a filtered list over CUDA tensors (issue: split gradients, list votes) ---------------------------------
+
+CLIP_WORLD, CLIP_STEPS, CLIP_MAX_NORM = 2, 4, 0.25
+
+
+def _filtered(model) -> list:
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
+    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
+
+    torch.cuda.set_device(0)
+    store = dist.FileStore(os.path.join(tmp, "gloo_clip_store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    out = {"norms": [], "markers": 0}
+    try:
+        model = gpt(seed=rank).cuda()
+        opt = optimizer("sgd", model)
+        ddp = wrap(model, opt, bucket_size=2048)
+        tokens_list = list(batches(CLIP_STEPS + 1))
+        for tokens in tokens_list[:CLIP_STEPS]:
+            opt.zero_grad()
+            gpt_loss(ddp, tokens.cuda().chunk(world)[rank]).backward()
+            ddp.finish_grad_sync()
+            out["markers"] += sum(isinstance(p.grad, llw.SplitGradient) for p in model.parameters())
+            out["norms"].append(torch.nn.utils.clip_grad_norm_(_filtered(model), CLIP_MAX_NORM).item())
+            opt.step()
+            ddp.start_param_sync()
+        ddp.finish_param_sync()
+        out["params"] = {n: v.cpu() for n, v in snapshot(model).items()}
+        # A list that disagrees across ranks: on CUDA the verdict is read at the next norm (no host sync per step).
+        opt.zero_grad()
+        gpt_loss(ddp, tokens_list[-1].cuda().chunk(world)[rank]).backward()
+        ddp.finish_grad_sync()
+        held = [p for p in model.parameters() if ddp.owns(p) or ddp.shard_of(p) is not None]  # whole or a piece
+        wrong = [p for p in model.parameters() if not (rank == 1 and p is held[0])]
+        errors = []
+        for listed in (wrong, list(model.parameters())):
+            try:
+                torch.nn.utils.clip_grad_norm_(listed, CLIP_MAX_NORM)
+                errors.append(None)
+            except ValueError as error:
+                errors.append(str(error))
+        out["errors"] = errors
+        ddp.release()
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"clip_rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def _gloo_cuda_clip_child(tmp: str) -> dict:
+    import torch.multiprocessing as mp
+    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
+
+    model = gpt().cuda()
+    opt = optimizer("sgd", model)
+    norms = []
+    for tokens in list(batches(CLIP_STEPS + 1))[:CLIP_STEPS]:
+        opt.zero_grad()
+        gpt_loss(model, tokens.cuda()).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(_filtered(model), CLIP_MAX_NORM).item())
+        opt.step()
+    reference = {"params": {n: v.cpu() for n, v in snapshot(model).items()}, "norms": norms}
+    mp.start_processes(_gloo_cuda_clip_worker, args=(CLIP_WORLD, tmp), nprocs=CLIP_WORLD, start_method="spawn")
+    ranks = []
+    for rank in range(CLIP_WORLD):
+        with open(os.path.join(tmp, f"clip_rank{rank}.pkl"), "rb") as f:
+            ranks.append(pickle.load(f))
+    return {"reference": reference, "ranks": ranks}
+
+
+def test_filtered_list_clipping_and_its_deferred_vote_on_cuda():
+    """2 gloo ranks over CUDA tensors, element-wise fill (the embedding in pieces), SGD: torch's
+    ``clip_grad_norm_`` on ``[p for p in model.parameters() if p.grad is not None]`` equals one process on the
+    same GPU (norms and parameters, relative error <= 1e-5), through the split parameters' ``SplitGradient``
+    markers. A list left short on rank 1 does not stop the host: the vote's verdict is read at the next norm
+    call, which raises the same ValueError on both ranks (Note [parameter lists])."""
+    out = _run_child(_gloo_cuda_clip_child)
+    reference = out["reference"]
+    for rank, result in enumerate(out["ranks"]):
+        assert result["markers"] > 0, f"rank {rank}: no split parameter's .grad was a SplitGradient"
+        for got, want in zip(result["norms"], reference["norms"]):
+            assert abs(got - want) <= TOL * want, (rank, result["norms"], reference["norms"])
+        assert min(reference["norms"]) > CLIP_MAX_NORM, reference["norms"]
+        worst = max(_rel_err(v, reference["params"][n]) for n, v in result["params"].items())
+        assert worst <= TOL, f"rank {rank}: {worst:.2e} from one process"
+        first, second = result["errors"]
+        print(f"rank {rank}: worst {worst:.2e}; disagreeing list: first call {first!r:.60}, next call {second!r:.90}")
+        assert first is None, f"rank {rank}: the verdict was read at once on CUDA: {first}"
+        assert second is not None and "different parameters on different ranks" in second, second
+    assert out["ranks"][0]["errors"][1] == out["ranks"][1]["errors"][1]

@@ -127,6 +127,27 @@ def test_exclude_must_be_a_sequence():
         muon_param_groups(GPTLike(), exclude="lm_head.*")
 
 
+def test_parameters_instead_of_the_module_are_refused_naming_the_fix():
+    """``model.parameters()`` carries no names or owning modules: routing it by ndim alone would send the embeddings
+    and the output head to Muon, so it is refused (rather than an AttributeError on ``named_parameters``)."""
+    model = GPTLike()
+    fix = (r"the routing rules need the parameters' names and the modules holding them \(embeddings and the output "
+           r"head go to AdamW\), which model\.parameters\(\) does not carry\. Pass the module itself, ")
+    with pytest.raises(TypeError, match=r"^muon_param_groups\(module=\.\.\.\) takes the model, an nn\.Module \(got "
+                                        r"generator\): " + fix + r"muon_param_groups\(model\), or build the groups by "
+                                        r"hand: \[\{'params': matrices, 'use_muon': True\}, \{'params': others, "
+                                        r"'use_muon': False\}\]\.$"):
+        muon_param_groups(model.parameters())
+    with pytest.raises(TypeError, match=r"^muon_param_groups\(module=\.\.\.\) takes the model, an nn\.Module \(got "
+                                        r"list\)"):
+        muon_param_groups(list(model.parameters()), lr=0.02)
+    with pytest.raises(TypeError, match=r"^describe_param_groups\(module=\.\.\.\) takes the model, an nn\.Module "
+                                        r"\(got generator\): .*describe_param_groups\(model\)"):
+        describe_param_groups(model.parameters(), muon_param_groups(model))
+    with pytest.raises(TypeError, match=r"^route_parameters\(module=\.\.\.\) takes the model"):
+        route_parameters(model.parameters())
+
+
 def test_frozen_parameters_are_left_out():
     model = GPTLike()
     model.wpe.weight.requires_grad_(False)

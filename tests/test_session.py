@@ -118,6 +118,20 @@ def test_a_layout_that_does_not_fit_the_wrapper_is_refused(case, match):
         llw.LayerwiseDataParallel(model, llw.ProcessGroups.single(), layout=layout, **kwargs)
 
 
+def test_settings_that_are_not_a_config_are_refused_naming_the_fix():
+    """A dict of options (the strategies take keywords, the session a LayerwiseConfig) would fail much later, as an
+    AttributeError on the first setting read."""
+    with pytest.raises(TypeError, match=r"^LayerwiseSession\(config=\{'bucket_size': 4096\}\): config must be a "
+                                        r"LayerwiseConfig \(got dict\); pass LayerwiseSession\(LayerwiseConfig\("
+                                        r"\*\*options\)\), which checks every setting and names a misspelt one\.$"):
+        llw.LayerwiseSession(dict(bucket_size=4096))
+    with pytest.raises(TypeError, match=r"^LayerwiseSession\(config=4096\): config must be a LayerwiseConfig \(got "
+                                        r"int\); pass LayerwiseSession\(LayerwiseConfig\(bucket_size=\.\.\.\)\)"):
+        llw.LayerwiseSession(4096)
+    assert llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4096)).config.bucket_size == 4096
+    assert llw.LayerwiseSession().config == llw.LayerwiseConfig()
+
+
 def test_a_layout_planned_from_layout_specs_is_used_as_given():
     model = _mlp()
     layout = plan_layout(layout_specs(model), 1, 1024)

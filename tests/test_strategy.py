@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_layerwise as llw
-from _dist import reference_threads, run_distributed
+from _dist import counting_compiler, reference_threads, run_distributed
 
 WORLD = 2
 
@@ -189,6 +189,25 @@ def test_model_without_trainable_parameters_is_a_clear_error():
 def test_bad_strategy_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llw.LayerwiseStrategy(**kwargs)
+
+
+def test_a_misspelt_argument_names_the_closest_one_and_the_valid_ones():
+    with pytest.raises(TypeError, match=r"^LayerwiseStrategy got unknown argument\(s\) \['bucket_sise'\] \(did you "
+                                        r"mean 'bucket_size'\?\); its arguments are \['broadcast_buffers', "
+                                        r"'bucket_size', .*'timeout'\] and Lightning's \(process_group_backend, "
+                                        r"accelerator, .*precision_plugin\)\.$"):
+        llw.LayerwiseStrategy(bucket_sise=10)
+    with pytest.raises(TypeError, match=r"^LayerwiseStrategy got unknown argument\(s\) \['prefech_depth', 'zzz'\] "
+                                        r"\(did you mean 'prefetch_depth' for 'prefech_depth'\?\); its arguments"):
+        llw.LayerwiseStrategy(zzz=1, prefech_depth=2)
+    with pytest.raises(TypeError, match=r"^LayerwiseStrategy got unknown argument\(s\) \['zzz'\]; its arguments"):
+        llw.LayerwiseStrategy(zzz=1)
+    # The check leaves the explicit signature in place: LightningCLI reads the arguments and their types from it.
+    import inspect
+
+    params = inspect.signature(llw.LayerwiseStrategy).parameters
+    assert params["bucket_size"].annotation == "int" and "kwargs" not in params
+    assert llw.LayerwiseStrategy(4096, prefetch_depth=3).config.bucket_size == 4096
 
 
 class OtherAccelerator(Accelerator):
@@ -501,3 +520,44 @@ def _indivisible_worker(rank, world):
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+# --- torch.compile --------------------------------------------------------------------------------------------------
+
+
+class CompiledInner(L.LightningModule):
+    """A LightningModule whose network is ``torch.compile``d: the strategy wraps the module and its forward pre-hooks
+    run inside the compiled network (two processes: one registers none)."""
+
+    def __init__(self, backend):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.compile(nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 3)), backend=backend,
+                                 fullgraph=True)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _compile_count_worker(rank, world):
+    backend, graphs = counting_compiler()
+
+    model = CompiledInner(backend)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy="layerwise", max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loaders()[0])
+    moved = all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    return len(graphs), moved
+
+
+def test_a_compiled_inner_module_compiles_once():
+    """Note [compiled pre-hooks] (param_sync.py): the forward pre-hooks guard only on a state that is the same at every
+    synced forward, so 4 steps compile the network once, as one graph (fullgraph=True: the hooks break no graph)."""
+    for rank, (compiles, moved) in enumerate(run_distributed(_compile_count_worker, WORLD)):
+        assert moved, rank
+        assert compiles == 1, f"rank {rank}: the network compiled {compiles} times in 4 steps"

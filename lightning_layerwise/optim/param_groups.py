@@ -55,8 +55,22 @@ def _is_head_path(path: str) -> bool:
     return parts[-1] in HEAD_NAMES and not any(part.isdigit() for part in parts)
 
 
+def _check_module(module: Any, caller: str) -> None:
+    """Refuses what is not an ``nn.Module``, typically ``model.parameters()``: rules 2, 5 and 6 of Note [routing
+    rules] need the parameters' names and the modules that own them, which an iterable of tensors does not carry,
+    so routing it by ``ndim`` alone would silently send embeddings and the output head to Muon."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"{caller}(module=...) takes the model, an nn.Module (got {type(module).__name__}): the routing rules "
+            "need the parameters' names and the modules holding them (embeddings and the output head go to AdamW), "
+            f"which model.parameters() does not carry. Pass the module itself, {caller}(model), or build the groups "
+            "by hand: [{'params': matrices, 'use_muon': True}, {'params': others, 'use_muon': False}]."
+        )
+
+
 def route_parameters(module: nn.Module, exclude: Sequence[str] = ()) -> list[ParamRoute]:
     """Apply Note [routing rules] to every trainable parameter of ``module``, in registration order."""
+    _check_module(module, "route_parameters")
     if isinstance(exclude, str):
         raise ValueError(f"exclude={exclude!r} is a string; pass a sequence of patterns, e.g. exclude=({exclude!r},)")
     names_of: dict[int, list[str]] = {}
@@ -115,6 +129,7 @@ def muon_param_groups(
     ``adamw_lr``/``adamw_weight_decay`` into the AdamW group (as ``"lr"``/``"weight_decay"``)
     when given; otherwise the optimizer's defaults apply.
     """
+    _check_module(module, "muon_param_groups")
     routes = route_parameters(module, exclude)
     muon: dict[str, Any] = {"params": [r.param for r in routes if r.use_muon], "use_muon": True}
     adamw: dict[str, Any] = {"params": [r.param for r in routes if not r.use_muon], "use_muon": False}
@@ -133,6 +148,7 @@ def describe_param_groups(module: nn.Module, groups: Iterable[dict[str, Any]], e
     the reason column comes from :func:`route_parameters` with ``exclude`` and reads
     ``"set by caller"`` where the groups disagree with the rules.
     """
+    _check_module(module, "describe_param_groups")
     where: dict[int, tuple[int, str]] = {}
     for gi, g in enumerate(groups):
         params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
