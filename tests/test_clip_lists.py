@@ -41,7 +41,8 @@ rank and handed the filtered list a ``SplitGradient``, so no comparison passes v
   equals ``DistributedDataParallel``); ``copy.deepcopy(model)`` carries ``None`` for it.
 
 Observed worst relative error against ``ddp``, the same for the three front ends (they run the same
-arithmetic): parameters 1.6e-7 (Muon 2.0e-6), norms 1.7e-7; the file takes 30-60 s on 2 cores (3 steps per case).
+arithmetic): parameters 1.6e-7 (Muon 2.0e-6), norms 1.7e-7, seen with 5 steps per case; now 3 per case, the file
+takes 30-60 s on 2 cores.
 
 Mutation, seen failing: with the marker not handed out (``_hand_out`` in ``grad_sync.py`` leaving a
 split parameter's ``.grad`` ``None``) the filtered list drops the split embedding on every rank, and the
