@@ -20,19 +20,19 @@ Variants: ``plain`` (no wrapper: autograd allocates every ``.grad``), ``ddp`` (t
 process and, with ``--world 2``, rank 0 of two, its reduce-scatters dispatched after backward
 so that gloo's staging copy of each bucket, the collective's memory, is not counted). ``--repo`` imports ``lightning_layerwise``
 from another checkout (e.g. the commit before in-place gradients) to compare releases.
-Writes ``benchmarks/results/backward_memory_cpu[_LABEL].json``.
+Writes ``benchmarks/results/backward_memory_cpu[_LABEL].json`` (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402  (imports torch, never lightning_layerwise: see --repo)
 
 
 def _peak_during(fn) -> tuple[int, int]:
@@ -50,16 +50,13 @@ def _peak_during(fn) -> tuple[int, int]:
     return peak, live
 
 
-def _run(rank: int, world: int, variant: str, args: argparse.Namespace, port: int, out: str) -> None:
+def measure(rank: int, world: int, variant: str, args: argparse.Namespace) -> dict:
+    """The third step's backward of ``variant`` on this rank: peak and held bytes of the CPU allocator."""
     if args.repo is not None:
         sys.path.insert(0, str(args.repo))
     import torch
-    import torch.distributed as dist
     from torch import nn
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
     wrapped: nn.Module = model
@@ -78,12 +75,12 @@ def _run(rank: int, world: int, variant: str, args: argparse.Namespace, port: in
         wrapper.use_shards_in(opt)
     x = torch.randn(args.batch, args.width)
 
-    def step(measure: bool):
+    def step(profiled: bool):
         opt.zero_grad()
         if wrapper is not None and hasattr(wrapper, "prepare_backward"):
             wrapper.prepare_backward()
         loss = wrapped(x).square().mean()
-        result = _peak_during(loss.backward) if measure else loss.backward()
+        result = _peak_during(loss.backward) if profiled else loss.backward()
         if wrapper is not None:
             wrapper.finish_grad_sync()
         opt.step()
@@ -94,25 +91,7 @@ def _run(rank: int, world: int, variant: str, args: argparse.Namespace, port: in
     step(False)
     step(False)
     peak, held = step(True)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"variant": variant, "world": world, "peak_bytes": peak, "held_bytes": held}, f)
-    dist.destroy_process_group()
-
-
-def measure(variant: str, world: int, args: argparse.Namespace) -> dict:
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.bench_read_guard import free_port
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(_run, args=(world, variant, args, free_port(), out), nprocs=world, start_method="spawn")
-        with open(out) as f:
-            return json.load(f)
+    return {"variant": variant, "world": world, "peak_bytes": peak, "held_bytes": held}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,24 +102,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--world", type=int, default=2, help="also run layerwise at this many processes (1: not)")
     p.add_argument("--repo", type=Path, default=None, help="import lightning_layerwise from this checkout")
     p.add_argument("--label", default="", help="suffix of the JSON file")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the JSON to write (default benchmarks/results/backward_memory_cpu[_LABEL].json)")
     args = p.parse_args(argv)
     runs = [(v, 1) for v in ("plain", "ddp", "ddp_bucket_view", "layerwise")]
     runs += [("layerwise", args.world)] if args.world > 1 else []
-    rows = [measure(v, w, args) for v, w in runs]
+    rows = [harness.run_ranks(measure, w, v, args)[0] for v, w in runs]
     grads = args.layers * args.width * args.width * 4
     print(f"{args.layers} x {args.width}x{args.width} float32: weight gradients {grads / 2**20:.1f} MiB")
-    print("| variant | processes | peak MiB allocated during backward | MiB still held after it |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['variant']} | {r['world']} | {r['peak_bytes'] / 2**20:.1f} | {r['held_bytes'] / 2**20:.1f} |")
-    import torch
-
+    print(harness.markdown_table(
+        ["variant", "processes", "peak MiB allocated during backward", "MiB still held after it"],
+        [[r["variant"], r["world"], f"{r['peak_bytes'] / 2**20:.1f}", f"{r['held_bytes'] / 2**20:.1f}"]
+         for r in rows]))
     name = "backward_memory_cpu" + (f"_{args.label}" if args.label else "") + ".json"
-    path = ROOT / "benchmarks/results" / name
-    path.write_text(json.dumps({"meta": {"layers": args.layers, "width": args.width, "batch": args.batch,
-                                         "repo": str(args.repo) if args.repo else None, "torch": torch.__version__,
-                                         "python": platform.python_version(), "weight_grad_bytes": grads},
-                                "rows": rows}, indent=1) + "\n")
+    machine = harness.machine(threads=1)
+    meta = {"layers": args.layers, "width": args.width, "batch": args.batch,
+            "repo": str(args.repo) if args.repo else None, "torch": machine["torch"], "python": machine["python"],
+            "weight_grad_bytes": grads}
+    path = harness.write_json(args.out or harness.RESULTS / name, {"meta": meta, "rows": rows})
     print(f"wrote {path}")
 
 

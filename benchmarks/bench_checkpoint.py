@@ -29,81 +29,50 @@ Writes ``benchmarks/results/checkpoint_cpu.json`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT = ROOT / "benchmarks" / "results" / "checkpoint_cpu.json"
-PAGE = os.sysconf("SC_PAGE_SIZE")
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402
+
+RESULT = harness.RESULTS / "checkpoint_cpu.json"
+MiB = 2 ** 20
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class PeakRSS:
-    """Samples RSS every millisecond while open; ``delta`` is the peak minus the RSS at entry."""
-
-    def __enter__(self):
-        self.start = rss_bytes()
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        self.t0 = time.perf_counter()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc):
-        self.seconds = time.perf_counter() - self.t0
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-        self.delta = self.peak - self.start
-
-
-def worker(args) -> None:
-    sys.path.insert(0, str(ROOT))
-    import lightning as L
-    import torch
-    import torch.distributed as dist
-
+def measured_strategy(measured: dict) -> type:
+    """``LayerwiseStrategy`` whose saves and restores put their RSS rise and wall time into ``measured``."""
     import lightning_layerwise as llw
-    from examples.gpt import GPT, GPTConfig
-
-    torch.set_num_threads(1)
-    measured: dict = {}
 
     class Measured(llw.LayerwiseStrategy):
         def save_checkpoint(self, checkpoint, filepath, storage_options=None):
-            with PeakRSS() as m:
+            with harness.PeakRSS() as m:
                 super().save_checkpoint(checkpoint, filepath, storage_options)
-            measured["save"] = {"peak_rss_delta": m.delta, "seconds": m.seconds}
+            measured["save"] = {"peak_rss_delta": m.rise, "seconds": m.seconds}
 
         def load_checkpoint(self, checkpoint_path, weights_only=None):
             # The restore is measured from here to the end of load_optimizer_state_dict: reading,
             # the model's weights and the optimizer's (owned) state, in either format.
-            measured["restore"] = PeakRSS().__enter__()
+            measured["restore"] = harness.PeakRSS().start()
             return super().load_checkpoint(checkpoint_path, weights_only)
 
         def load_optimizer_state_dict(self, checkpoint):
             super().load_optimizer_state_dict(checkpoint)
-            m = measured.pop("restore")
-            m.__exit__(None, None, None)
-            measured["load"] = {"peak_rss_delta": m.delta, "seconds": m.seconds}
+            m = measured.pop("restore").stop()
+            measured["load"] = {"peak_rss_delta": m.rise, "seconds": m.seconds}
+
+    return Measured
+
+
+def module_class(args: argparse.Namespace) -> type:
+    """The example GPT (``examples/gpt.py``) as a LightningModule, trained with ``args.optimizer``."""
+    import lightning as L
+    import torch
+
+    import lightning_layerwise as llw
+    from examples.gpt import GPT, GPTConfig
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -121,103 +90,118 @@ def worker(args) -> None:
                 return torch.optim.AdamW(self.parameters(), lr=1e-4)
             return llw.Muon(llw.muon_param_groups(self), lr=0.02, adamw_lr=3e-4)
 
+    return Module
+
+
+def save_at_step(step: int, path: str):
+    """A callback that saves a checkpoint at ``path`` at the end of step ``step``, inside fit (where the ownership
+    is known)."""
+    import lightning as L
+
+    class SaveInFit(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == step:
+                trainer.save_checkpoint(path)
+
+    return SaveInFit()
+
+
+def rank_share(optimizer, model) -> dict:
+    """The rank's share: owned parameters and their optimizer state (the strategy kept the ownership of the run
+    in the optimizer state: only owned parameters have any); the totals over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                      if torch.is_tensor(v))
+    total_state = torch.tensor([state_bytes], dtype=torch.float64)
+    dist.all_reduce(total_state)
+    return {"state_bytes": state_bytes, "owned_param_bytes": sum(p.numel() * p.element_size() for p in optimizer.state),
+            "total_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+            "total_state": total_state.item()}
+
+
+def checkpoint_bytes(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    return os.path.getsize(path)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One format at one world size, on every rank: train, save inside a fit, resume from it; rank 0 writes."""
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    measured: dict = {}
+    strategy, module = measured_strategy(measured), module_class(args)
     data = torch.randint(0, args.vocab, (64, args.seq + 1), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(data, batch_size=2)
 
-    def trainer(max_steps):
-        return L.Trainer(accelerator="cpu", devices=args.world, max_steps=max_steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         strategy=Measured(checkpoint_format=args.format))
+    def fit(max_steps: int, callback=None, ckpt_path=None):
+        model = module()
+        trainer = L.Trainer(accelerator="cpu", devices=args.world, max_steps=max_steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            strategy=strategy(checkpoint_format=args.format))
+        if callback is not None:
+            trainer.callbacks.append(callback)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        return trainer, model
 
-    model = Module()
-    t = trainer(2)
-    t.fit(model, loader)
-    opt = t.optimizers[0]
-    # The rank's share: owned parameters and their optimizer state (the strategy kept the
-    # ownership of the run in the optimizer state: only owned parameters have any).
-    state_bytes = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-                      if torch.is_tensor(v))
-    owned_param_bytes = sum(p.numel() * p.element_size() for p in opt.state)
-    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    total_state = torch.tensor([state_bytes], dtype=torch.float64)
-    dist.all_reduce(total_state)
-
-    # save_checkpoint inside fit, where ownership is known: a callback at the last step.
-    class SaveInFit(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step == 3:
-                trainer.save_checkpoint(args.path)
-
-    model = Module()
-    t = trainer(3)
-    t.callbacks.append(SaveInFit())
-    t.fit(model, loader)
+    trainer, model = fit(2)
+    share = rank_share(trainer.optimizers[0], model)
+    fit(3, callback=save_at_step(3, args.path))
     save = dict(measured["save"])
     measured.clear()
-    size = sum(f.stat().st_size for f in Path(args.path).rglob("*") if f.is_file()) if os.path.isdir(args.path) \
-        else os.path.getsize(args.path)
-
-    model = Module()
-    t = trainer(4)
-    t.fit(model, loader, ckpt_path=args.path)
+    size = checkpoint_bytes(args.path)
+    fit(4, ckpt_path=args.path)
     load = dict(measured["load"])
 
+    keys = ["save_peak_rss_delta", "save_seconds", "load_peak_rss_delta", "load_seconds", "owned_state_bytes",
+            "owned_param_bytes"]
     row = torch.tensor([save["peak_rss_delta"], save["seconds"], load["peak_rss_delta"], load["seconds"],
-                        state_bytes, owned_param_bytes], dtype=torch.float64)
+                        share["state_bytes"], share["owned_param_bytes"]], dtype=torch.float64)
     rows = [torch.zeros_like(row) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, row)
     if dist.get_rank() == 0:
-        keys = ["save_peak_rss_delta", "save_seconds", "load_peak_rss_delta", "load_seconds",
-                "owned_state_bytes", "owned_param_bytes"]
-        out = {"format": args.format, "world": args.world, "optimizer": args.optimizer,
-               "param_bytes": total_bytes, "state_bytes": total_state.item(), "checkpoint_bytes": size,
-               "ranks": [dict(zip(keys, r.tolist())) for r in rows]}
-        Path(args.out).write_text(json.dumps(out))
+        harness.write_json(args.out, {"format": args.format, "world": args.world, "optimizer": args.optimizer,
+                                      "param_bytes": share["total_bytes"], "state_bytes": share["total_state"],
+                                      "checkpoint_bytes": size, "ranks": [dict(zip(keys, r.tolist())) for r in rows]})
     dist.barrier()
     dist.destroy_process_group()  # an orderly exit; gloo threads left running can abort the interpreter
 
 
-def run(args) -> None:
+def worker_command(args: argparse.Namespace, fmt: str, world: int, result: str) -> list[str]:
+    """This script as one run's worker; its checkpoint goes next to its result."""
+    checkpoint = Path(result).with_name(f"{fmt}_{world}.ckpt")
+    return [sys.executable, str(Path(__file__).resolve()), "--_worker", "--format", fmt, "--world", str(world),
+            "--path", str(checkpoint), "--out", result, "--optimizer", args.optimizer,
+            "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--n-head", str(args.n_head),
+            "--vocab", str(args.vocab), "--seq", str(args.seq)]
+
+
+def run(args: argparse.Namespace) -> None:
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in args.worlds:
-            for fmt in ("sharded", "full"):
-                path = os.path.join(tmp, f"{fmt}_{world}.ckpt")
-                out = os.path.join(tmp, f"{fmt}_{world}.json")
-                cmd = [sys.executable, __file__, "--_worker", "--format", fmt, "--world", str(world),
-                       "--path", path, "--out", out, "--optimizer", args.optimizer, "--n-layer", str(args.n_layer),
-                       "--n-embd", str(args.n_embd), "--n-head", str(args.n_head), "--vocab", str(args.vocab),
-                       "--seq", str(args.seq)]
-                env = dict(os.environ, OMP_NUM_THREADS="1")
-                t0 = time.time()
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-                if proc.returncode != 0:
-                    sys.exit(f"{fmt} at {world} ranks failed:\n{proc.stderr[-4000:]}")
-                results.append(json.loads(Path(out).read_text()))
-                print(f"# {fmt} at {world} ranks: {time.time() - t0:.0f} s", file=sys.stderr)
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                elif os.path.exists(path):
-                    os.remove(path)
-    mib = 2 ** 20
+    for world in args.worlds:
+        for fmt in ("sharded", "full"):
+            done = harness.run_script(lambda result: worker_command(args, fmt, world, result),
+                                      label=f"{fmt} at {world} ranks", threads=1, require_exit_zero=True)
+            results.append(done.result)
+            print(f"# {fmt} at {world} ranks: {done.wall_s:.0f} s", file=sys.stderr)
     print(f"\nmodel: GPT n_layer={args.n_layer} n_embd={args.n_embd} vocab={args.vocab}, {args.optimizer}; "
-          f"parameters {results[0]['param_bytes'] / mib:.0f} MiB, optimizer state "
-          f"{results[0]['state_bytes'] / mib:.0f} MiB (all ranks)\n")
-    print("| format | ranks | rank | share (MiB) | save: peak RSS rise (MiB) | save (s) | load: peak RSS rise (MiB) "
-          "| load (s) | on disk (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        for rank, x in enumerate(r["ranks"]):
-            share = (x["owned_state_bytes"] + x["owned_param_bytes"]) / mib
-            print(f"| {r['format']} | {r['world']} | {rank} | {share:.0f} | {x['save_peak_rss_delta'] / mib:.0f} | "
-                  f"{x['save_seconds']:.2f} | {x['load_peak_rss_delta'] / mib:.0f} | {x['load_seconds']:.2f} | "
-                  f"{r['checkpoint_bytes'] / mib:.0f} |")
-    result = Path(args.result) if args.result else RESULT
-    result.parent.mkdir(parents=True, exist_ok=True)
-    result.write_text(json.dumps({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                              "load_average": os.getloadavg()},
-                                  "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
-                                  "results": results}, indent=1))
+          f"parameters {results[0]['param_bytes'] / MiB:.0f} MiB, optimizer state "
+          f"{results[0]['state_bytes'] / MiB:.0f} MiB (all ranks)\n")
+    header = ["format", "ranks", "rank", "share (MiB)", "save: peak RSS rise (MiB)", "save (s)",
+              "load: peak RSS rise (MiB)", "load (s)", "on disk (MiB)"]
+    print(harness.markdown_table(header, [
+        [r["format"], r["world"], rank, f"{(x['owned_state_bytes'] + x['owned_param_bytes']) / MiB:.0f}",
+         f"{x['save_peak_rss_delta'] / MiB:.0f}", f"{x['save_seconds']:.2f}", f"{x['load_peak_rss_delta'] / MiB:.0f}",
+         f"{x['load_seconds']:.2f}", f"{r['checkpoint_bytes'] / MiB:.0f}"]
+        for r in results for rank, x in enumerate(r["ranks"])]))
+    result = harness.write_json(args.result or RESULT, {
+        "machine": {**harness.machine(threads=1), "cpus": os.cpu_count()},
+        "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "results": results})
     print(f"\nwrote {result}")
 
 

@@ -46,10 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
-import json
-import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -76,47 +73,15 @@ from lightning_layerwise.layout import (  # noqa: E402
 )
 from lightning_layerwise.optim import muon_param_groups, newton_schulz, route_parameters  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import summary, time_ms  # noqa: E402
 
 NS_STEPS = 5
 NS_TARGET = 0.5
 WRAPPER_TARGET = 1.02
 
 
-# --- timing ----------------------------------------------------------------------------------------------------------
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, inner: int = 1) -> list[float]:
-    """Per-call milliseconds of ``fn``: ``repeats`` samples, each the mean of ``inner`` back-to-back calls
-    bracketed by CUDA events (wall clock on CPU), after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / inner)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            samples.append((time.perf_counter() - t0) * 1e3 / inner)
-    return samples
-
-
-def summary(samples: list[float]) -> dict:
-    return {"median_ms": statistics.median(samples), "min_ms": min(samples), "max_ms": max(samples),
-            "samples": len(samples)}
-
+# --- memory --------------------------------------------------------------------------------------------------------
 
 def free_memory(device: torch.device) -> None:
     gc.collect()
@@ -397,8 +362,7 @@ def bench_optimizer_dp8(device: torch.device, quick: bool, dp: int = 8) -> dict:
         ranks = []
         for r in range(dp):
             owned = set(layout.owned_by(r))
-            idle = {"median_ms": 0.0, "min_ms": 0.0, "max_ms": 0.0, "samples": 0}
-            timing = summary(step_over(owned)) if owned else idle
+            timing = summary(step_over(owned) if owned else [])
             ranks.append({"rank": r, "params": len(owned), "elements": sum(named[n].numel() for n in owned),
                           "planned_cost": costs[r], **timing})
         busiest = max(ranks, key=lambda x: x["median_ms"])
@@ -421,12 +385,72 @@ def bench_optimizer_dp8(device: torch.device, quick: bool, dp: int = 8) -> dict:
 
 # --- report ----------------------------------------------------------------------------------------------------------
 
-def fmt(value, spec: str = ".2f") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and math.isnan(value):
-        return "nan"
-    return format(value, spec)
+fmt = harness.fmt
+
+
+def _md_peak(peak: dict) -> list[str]:
+    return ["## bf16 matmul peak", "",
+            harness.markdown_table(["n", "median ms", "TFLOP/s (median)", "TFLOP/s (max)"],
+                                   [[peak["n"], fmt(peak["median_ms"], ".3f"), fmt(peak["tflops_median"], ".1f"),
+                                     fmt(peak["tflops_max"], ".1f")]]), ""]
+
+
+def _md_newton_schulz(ns: dict) -> list[str]:
+    rows = [[f"{r['shape'][0]}x{r['shape'][1]}", r["batch"], fmt(r["median_ms"], ".2f"), fmt(r["tflops"], ".1f"),
+             fmt(r["fraction_of_peak"], ".2f")] for r in ns["rows"]]
+    return [f"## Batched Newton–Schulz ({ns['ns_steps']} iterations, bf16)", "",
+            harness.markdown_table(["shape", "batch", "median ms", "TFLOP/s", "fraction of peak"], rows),
+            "", f"All shapes: {fmt(ns['overall_tflops'], '.1f')} TFLOP/s, "
+            f"{fmt(ns['overall_fraction_of_peak'], '.2f')} of peak "
+            f"(target >= {ns['target_fraction']}: {'met' if ns['target_met'] else 'missed'}).", ""]
+
+
+def _md_muon_step(mu: dict) -> list[str]:
+    torch_ms = mu["torch_muon"]["median_ms"] if mu.get("torch_muon") else None
+    lines = ["## Muon step on the same matrices (float32 parameters)", "",
+             harness.markdown_table(["optimizer", "median ms"],
+                                    [["lightning_layerwise.Muon (batched)", fmt(mu["layerwise_muon"]["median_ms"])],
+                                     ["torch.optim.Muon (per matrix)", fmt(torch_ms)]]), ""]
+    if mu.get("speedup_vs_torch"):
+        lines += [f"{mu['n_matrices']} matrices; lightning_layerwise.Muon is "
+                  f"{fmt(mu['speedup_vs_torch'])}x as fast as torch.optim.Muon.", ""]
+    elif mu.get("note"):
+        lines += [mu["note"], ""]
+    return lines
+
+
+def _md_gpt(gpt: dict) -> list[str]:
+    c = gpt["config"]
+    labels = {"plain": "plain", "layerwise_single": "layerwise, ProcessGroups.single()",
+              "layerwise_pg1": f"layerwise, 1-rank {gpt['backend']} groups",
+              "ddp_pg1": f"DDP, 1-rank {gpt['backend']}"}
+    rows = [[labels[name], fmt(v["median_ms"]), fmt(v["min_ms"]), f"{fmt(v['ratio_vs_plain'], '.3f')}x",
+             fmt(v["peak_memory_gib"]), fmt(v["first_loss"], ".4f")] for name, v in gpt["variants"].items()]
+    return [f"## GPT step ({c['n_layer']} layers, d={c['n_embd']}, vocab {c['vocab_size']}, "
+            f"seq {c['block_size']}, batch {c['batch']}, {c['params'] / 1e6:.1f}M parameters, bf16 autocast, "
+            f"AdamW)", "",
+            harness.markdown_table(["variant", "median ms", "min ms", "vs plain", "peak memory GiB", "first loss"],
+                                   rows),
+            "", f"Worst layer-wise ratio {fmt(gpt['worst_layerwise_ratio'], '.3f')}x "
+            f"(target <= {gpt['target_ratio']}: {'met' if gpt['target_met'] else 'missed'}); "
+            f"{gpt['rounds']} rounds x {gpt['repeats_per_round']} timed steps after {gpt['warmup']} "
+            "warm-ups.", ""]
+
+
+def _md_optimizer_dp8(opt: dict) -> list[str]:
+    m = opt["model"]
+    rows = [[label, f"{100 * p['padding_fraction']:.1f}%", fmt(p["planned_imbalance"], ".3f"),
+             f"{p['measured_busiest_rank']} (planned {p['planned_busiest_rank']})", fmt(p["busiest_ms"]),
+             fmt(p["ratio_vs_replicated"], ".3f"), fmt(p["ideal_ratio"], ".3f")] for label, p in opt["plans"].items()]
+    per_rank = "; ".join(f"{label}: " + ", ".join(fmt(r["median_ms"], ".1f") for r in p["ranks"])
+                         for label, p in opt["plans"].items())
+    return [f"## Busiest rank's optimizer step at simulated dp={opt['dp']}", "",
+            f"{m['n_layer']} Llama layers (d={m['d']}, kv={m['kv']}, ffn={m['ffn']}) + embedding and head "
+            f"(vocab {m['vocab']}), {m['params'] / 1e9:.2f}B parameters; {opt['optimizer']}. "
+            f"Replicated step (all parameters): {fmt(opt['replicated']['median_ms'])} ms.", "",
+            harness.markdown_table(["layout cost", "padding", "planned imbalance", "busiest rank (measured)",
+                                    "busiest ms", "vs replicated", "ideal"], rows),
+            "", f"Per rank (ms): {per_rank}", ""]
 
 
 def markdown(result: dict) -> str:
@@ -434,75 +458,12 @@ def markdown(result: dict) -> str:
     lines = [f"# GPU benchmark ({meta['device_name']})", "",
              f"torch {meta['torch']}, lightning {meta['lightning']}, CUDA {meta['cuda']}, "
              f"{'quick sizes' if meta['quick'] else 'full sizes'}, {meta['date']}, {meta['wall_s']:.0f} s.", ""]
-    for note in result["notes"]:
-        lines.append(f"* {note}")
-    if result["notes"]:
-        lines.append("")
-    peak = result.get("peak")
-    if peak:
-        lines += ["## bf16 matmul peak", "",
-                  "| n | median ms | TFLOP/s (median) | TFLOP/s (max) |", "|---|---|---|---|",
-                  f"| {peak['n']} | {fmt(peak['median_ms'], '.3f')} | {fmt(peak['tflops_median'], '.1f')} "
-                  f"| {fmt(peak['tflops_max'], '.1f')} |", ""]
-    ns = result.get("newton_schulz")
-    if ns:
-        lines += [f"## Batched Newton–Schulz ({ns['ns_steps']} iterations, bf16)", "",
-                  "| shape | batch | median ms | TFLOP/s | fraction of peak |", "|---|---|---|---|---|"]
-        for r in ns["rows"]:
-            lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {r['batch']} | {fmt(r['median_ms'], '.2f')} | "
-                         f"{fmt(r['tflops'], '.1f')} | {fmt(r['fraction_of_peak'], '.2f')} |")
-        lines += ["", f"All shapes: {fmt(ns['overall_tflops'], '.1f')} TFLOP/s, "
-                  f"{fmt(ns['overall_fraction_of_peak'], '.2f')} of peak "
-                  f"(target >= {ns['target_fraction']}: {'met' if ns['target_met'] else 'missed'}).", ""]
-    mu = result.get("muon_step")
-    if mu:
-        torch_ms = mu["torch_muon"]["median_ms"] if mu.get("torch_muon") else None
-        lines += ["## Muon step on the same matrices (float32 parameters)", "",
-                  "| optimizer | median ms |", "|---|---|",
-                  f"| lightning_layerwise.Muon (batched) | {fmt(mu['layerwise_muon']['median_ms'])} |",
-                  f"| torch.optim.Muon (per matrix) | {fmt(torch_ms)} |", ""]
-        if mu.get("speedup_vs_torch"):
-            lines += [f"{mu['n_matrices']} matrices; lightning_layerwise.Muon is "
-                      f"{fmt(mu['speedup_vs_torch'])}x as fast as torch.optim.Muon.", ""]
-        elif mu.get("note"):
-            lines += [mu["note"], ""]
-    gpt = result.get("gpt")
-    if gpt:
-        c = gpt["config"]
-        lines += [f"## GPT step ({c['n_layer']} layers, d={c['n_embd']}, vocab {c['vocab_size']}, "
-                  f"seq {c['block_size']}, batch {c['batch']}, {c['params'] / 1e6:.1f}M parameters, bf16 autocast, "
-                  f"AdamW)", "",
-                  "| variant | median ms | min ms | vs plain | peak memory GiB | first loss |",
-                  "|---|---|---|---|---|---|"]
-        labels = {"plain": "plain", "layerwise_single": "layerwise, ProcessGroups.single()",
-                  "layerwise_pg1": f"layerwise, 1-rank {gpt['backend']} groups",
-                  "ddp_pg1": f"DDP, 1-rank {gpt['backend']}"}
-        for name, v in gpt["variants"].items():
-            lines.append(f"| {labels[name]} | {fmt(v['median_ms'])} | {fmt(v['min_ms'])} | "
-                         f"{fmt(v['ratio_vs_plain'], '.3f')}x | {fmt(v['peak_memory_gib'])} | "
-                         f"{fmt(v['first_loss'], '.4f')} |")
-        lines += ["", f"Worst layer-wise ratio {fmt(gpt['worst_layerwise_ratio'], '.3f')}x "
-                  f"(target <= {gpt['target_ratio']}: {'met' if gpt['target_met'] else 'missed'}); "
-                  f"{gpt['rounds']} rounds x {gpt['repeats_per_round']} timed steps after {gpt['warmup']} "
-                  "warm-ups.", ""]
-    opt = result.get("optimizer_dp8")
-    if opt:
-        m = opt["model"]
-        lines += [f"## Busiest rank's optimizer step at simulated dp={opt['dp']}", "",
-                  f"{m['n_layer']} Llama layers (d={m['d']}, kv={m['kv']}, ffn={m['ffn']}) + embedding and head "
-                  f"(vocab {m['vocab']}), {m['params'] / 1e9:.2f}B parameters; {opt['optimizer']}. "
-                  f"Replicated step (all parameters): {fmt(opt['replicated']['median_ms'])} ms.", "",
-                  "| layout cost | padding | planned imbalance | busiest rank (measured) | busiest ms "
-                  "| vs replicated | ideal |",
-                  "|---|---|---|---|---|---|---|"]
-        for label, p in opt["plans"].items():
-            lines.append(f"| {label} | {100 * p['padding_fraction']:.1f}% | {fmt(p['planned_imbalance'], '.3f')} | "
-                         f"{p['measured_busiest_rank']} (planned {p['planned_busiest_rank']}) | "
-                         f"{fmt(p['busiest_ms'])} | {fmt(p['ratio_vs_replicated'], '.3f')} | "
-                         f"{fmt(p['ideal_ratio'], '.3f')} |")
-        per_rank = "; ".join(f"{label}: " + ", ".join(fmt(r["median_ms"], ".1f") for r in p["ranks"])
-                             for label, p in opt["plans"].items())
-        lines += ["", f"Per rank (ms): {per_rank}", ""]
+    lines += [f"* {note}" for note in result["notes"]] + ([""] if result["notes"] else [])
+    sections = (("peak", _md_peak), ("newton_schulz", _md_newton_schulz), ("muon_step", _md_muon_step),
+                ("gpt", _md_gpt), ("optimizer_dp8", _md_optimizer_dp8))
+    for key, section in sections:
+        if result.get(key):
+            lines += section(result[key])
     return "\n".join(lines)
 
 
@@ -511,43 +472,8 @@ def markdown(result: dict) -> str:
 SECTIONS = ("peak", "newton_schulz", "muon_step", "gpt", "optimizer_dp8")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds (smoke test)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="directory for gpu.json, gpu.md")
-    parser.add_argument("--gpt-batch", type=int, default=None, help="the GPT step's batch size (default 8; 2 with --quick)")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            parser.error("--device cuda, but torch sees no CUDA device; use --device cpu (with --quick)")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(device)
-    if device.type == "cpu" and args.quick:
-        torch.set_num_threads(1)  # a shared CPU: one thread per process is the steadiest for a smoke test
-    import lightning
-
-    started = time.perf_counter()
-    notes = []
-    if device.type != "cuda":
-        notes.append("No CUDA device: the numbers below are a CPU smoke test, not measurements. "
-                     "The NCCL variants ran over gloo; CUDA events were replaced by wall-clock timers.")
-    result: dict = {
-        "meta": {"device": str(device),
-                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else
-                 (platform.processor() or "cpu"),
-                 "torch": torch.__version__, "lightning": lightning.__version__,
-                 "cuda": torch.version.cuda, "python": platform.python_version(), "quick": args.quick,
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": sections},
-        "notes": notes,
-    }
+def run_sections(device: torch.device, sections: list[str], args: argparse.Namespace, result: dict) -> None:
+    """Runs the chosen sections in order into ``result``, a line of progress after each."""
     peak_tflops = None
     if "peak" in sections or "newton_schulz" in sections:
         result["peak"] = bench_peak(device, args.quick)
@@ -573,14 +499,54 @@ def main(argv: list[str] | None = None) -> dict:
         result["optimizer_dp8"] = bench_optimizer_dp8(device, args.quick)
         print("optimizer_dp8: replicated "
               f"{result['optimizer_dp8']['replicated']['median_ms']:.2f} ms", flush=True)
-    result["meta"]["wall_s"] = time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, a few seconds (smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=str(harness.RESULTS), help="directory for gpu.json, gpu.md")
+    parser.add_argument("--gpt-batch", type=int, default=None,
+                        help="the GPT step's batch size (default 8; 2 with --quick)")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda, but torch sees no CUDA device; use --device cpu (with --quick)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    if device.type == "cpu" and args.quick:
+        torch.set_num_threads(1)  # a shared CPU: one thread per process is the steadiest for a smoke test
+    import lightning
+
+    clock = harness.Clock()
+    notes = []
+    if device.type != "cuda":
+        notes.append("No CUDA device: the numbers below are a CPU smoke test, not measurements. "
+                     "The NCCL variants ran over gloo; CUDA events were replaced by wall-clock timers.")
+    machine = harness.machine()
+    result: dict = {
+        "meta": {"device": str(device),
+                 "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else machine["cpu_model"],
+                 "torch": machine["torch"], "lightning": lightning.__version__,
+                 "cuda": torch.version.cuda, "python": machine["python"], "quick": args.quick,
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S"), "sections": sections},
+        "notes": notes,
+    }
+    run_sections(device, sections, args, result)
+    result["meta"]["wall_s"] = clock.elapsed_s()
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     text = markdown(result)
     print()
     print(text)
-    (out / "gpu.json").write_text(json.dumps(result, indent=2))
+    harness.write_json(out / "gpu.json", result, indent=2)
     (out / "gpu.md").write_text(text + "\n")
     print(f"wrote {out / 'gpu.json'} and {out / 'gpu.md'}")
     return result

@@ -34,7 +34,7 @@ group of its own, ``layerwise`` on the groups its session creates and destroys. 
    backward includes its all-reduce wait), optimizer (``optimizer.step`` / ``session.step``,
    which starts the all-gather the next forward waits for);
 3. ``--memory-steps`` steps measuring memory (below); then the run's model is released;
-4. ``layerwise`` only: the hook probe. ``LayerwiseDataParallel._on_grad_ready``, the per-parameter
+4. ``layerwise`` only: the hook probe. ``GradientSync._on_grad_ready``, the per-parameter
    gradient hook, is replaced on the class while a second wrapper (fresh model, optimizer and
    data) is built (the wrapper binds the hook at construction), then restored, so the timed
    run above paid nothing for the probe; ``--warmup`` + ``--steps`` steps of that wrapper add
@@ -66,22 +66,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
-import statistics
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -89,7 +82,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import lightning_layerwise as llw  # noqa: E402
-from bench_read_guard import free_port  # noqa: E402  (benchmarks/ is on sys.path: run as a script)
+from lightning_layerwise.engine.grad_sync import GradientSync  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 CONFIGS = ("plain", "ddp", "ddp_view", "layerwise")
 TOLERANCE = 1e-5  # what layerwise and ddp must agree to
@@ -113,7 +107,7 @@ def build_model(blocks: int, width: int) -> nn.Module:
 
 
 class HookProbe:
-    """Times ``LayerwiseDataParallel._on_grad_ready``, the per-parameter gradient hook (module doc, step 4)."""
+    """Times ``GradientSync._on_grad_ready``, the per-parameter gradient hook (module doc, step 4)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -121,23 +115,23 @@ class HookProbe:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["HookProbe"]:
-        """Replaces the hook on the class while inside: wrappers made inside register the timed hook (a wrapper
-        binds the hook at construction, so the ones made outside are not timed and pay nothing for the probe)."""
-        original = llw.LayerwiseDataParallel._on_grad_ready
+        """Replaces the hook on the class while inside: wrappers made inside register the timed hook (a wrapper's
+        gradient side binds the hook at construction, so the ones made outside are not timed and pay nothing for the probe)."""
+        original = GradientSync._on_grad_ready
 
-        def timed_hook(wrapper: llw.LayerwiseDataParallel, param: nn.Parameter, **kwargs) -> None:
+        def timed_hook(sync: GradientSync, param: nn.Parameter, **kwargs) -> None:
             t0 = time.perf_counter()
             try:
-                return original(wrapper, param, **kwargs)
+                return original(sync, param, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
                 self.calls += 1
 
-        llw.LayerwiseDataParallel._on_grad_ready = timed_hook
+        GradientSync._on_grad_ready = timed_hook
         try:
             yield self
         finally:
-            llw.LayerwiseDataParallel._on_grad_ready = original
+            GradientSync._on_grad_ready = original
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
@@ -193,34 +187,13 @@ class BackwardMemory:
         self.loop, self.tensors, self.interval_s = loop, tensors, interval_s
         self.rss_rises: list[int] = []
         self.grad_bytes: list[int] = []
-        self._statm = os.open("/proc/self/statm", os.O_RDONLY)
-        self._page = os.sysconf("SC_PAGE_SIZE")
-        self._peak = 0
-
-    def rss(self) -> int:
-        return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
-
-    def _sample(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self._peak = max(self._peak, self.rss())
-            time.sleep(self.interval_s)
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
-        baseline = self._peak = self.rss()
-        stop = threading.Event()
-        sampler = threading.Thread(target=self._sample, args=(stop,), daemon=True)
-        sampler.start()
-        try:
+        with harness.PeakRSS(self.interval_s) as rss:
             yield
-        finally:
-            stop.set()
-            sampler.join()
-            self.rss_rises.append(max(self._peak, self.rss()) - baseline)
-            self.grad_bytes.append(gradient_bytes(self.loop, self.tensors))
-
-    def close(self) -> None:
-        os.close(self._statm)
+        self.rss_rises.append(rss.rise)
+        self.grad_bytes.append(gradient_bytes(self.loop, self.tensors))
 
 
 def train_step(loop: Loop, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, target: torch.Tensor,
@@ -264,9 +237,8 @@ def run_config(config: str, rank: int, world: int, args: argparse.Namespace) -> 
     memory = BackwardMemory(loop, tensors)
     for _ in range(args.memory_steps):
         train_step(loop, optimizer, *next(batches), around_backward=memory.watch)
-    memory.close()
     loop.release()
-    params = torch.cat([p.detach().double().flatten() for p in model.parameters()]) if rank == 0 else None
+    params = harness.flat_params(model) if rank == 0 else None
     hook_seconds, hook_calls = [], []
     if config == "layerwise":  # the hook, timed on a wrapper of its own (module doc, step 4)
         probe = HookProbe()
@@ -287,45 +259,27 @@ def run_config(config: str, rank: int, world: int, args: argparse.Namespace) -> 
             "params": params}
 
 
-def _worker(rank: int, world: int, port: int, outdir: str, configs: list[str], args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    results = {config: run_config(config, rank, world, args) for config in configs}
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+def run_configs(rank: int, world: int, configs: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    return {config: run_config(config, rank, world, args) for config in configs}
 
 
 def launch(world: int, configs: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
     """Runs ``configs`` in order on ``world`` fresh processes; returns every rank's result per configuration."""
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, free_port(), outdir, configs, args), nprocs=world,
-                           start_method="spawn")
-        ranks = [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    ranks = harness.run_ranks(run_configs, world, configs, args)
     return {config: [r[config] for r in ranks] for config in configs}
 
 
 def summarize(ranks: list[dict]) -> dict:
     """One run's numbers: the slowest rank's per-step medians (seconds to milliseconds), memory maxima."""
-    summary = {f"{phase}_ms": 1e3 * max(statistics.median(r["phases"][phase]) for r in ranks) for phase in PHASES}
+    summary = {f"{phase}_ms": harness.slowest_ms(r["phases"][phase] for r in ranks) for phase in PHASES}
     calls = sum(ranks[0]["hook_calls"])
-    summary["hook_calls_per_step"] = statistics.median(ranks[0]["hook_calls"]) if ranks[0]["hook_calls"] else None
-    summary["hook_ms_per_step"] = 1e3 * max(statistics.median(r["hook_seconds"]) for r in ranks) if calls else None
+    summary["hook_calls_per_step"] = harness.median_of(ranks[0]["hook_calls"])
+    summary["hook_ms_per_step"] = harness.slowest_ms(r["hook_seconds"] for r in ranks) if calls else None
     summary["hook_us_per_call"] = (1e6 * max(sum(r["hook_seconds"]) / sum(r["hook_calls"]) for r in ranks)
                                    if calls else None)
     summary["grad_bytes"] = max(max(r["grad_bytes"]) for r in ranks)
     summary["rss_rise_bytes"] = max(max(r["rss_rise_bytes"]) for r in ranks)
     return summary
-
-
-def median_of(runs: list[dict], key: str) -> float | None:
-    values = [run[key] for run in runs if run[key] is not None]
-    return statistics.median(values) if values else None
-
-
-def relative_error(params: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((params - reference).norm() / reference.norm()).item()
 
 
 @dataclass
@@ -343,12 +297,12 @@ class Collected:
 def table_rows(collected: Collected, worlds: list[int]) -> list[dict]:
     rows = []
     for world in worlds:
-        ddp_step = median_of(collected.summaries[("ddp", world)], "step_ms")
-        plain_backward = median_of(collected.summaries[("plain", world)], "backward_ms")
+        ddp_step = harness.median_of(run["step_ms"] for run in collected.summaries[("ddp", world)])
+        plain_backward = harness.median_of(run["backward_ms"] for run in collected.summaries[("plain", world)])
         for config in CONFIGS:
             runs = collected.summaries[(config, world)]
             row = {"config": config, "world": world, "runs": len(runs)}
-            row.update({key: median_of(runs, key) for key in runs[0]})
+            row.update(harness.medians(runs))
             row["step_vs_ddp"] = row["step_ms"] / ddp_step
             row["backward_minus_plain_ms"] = row["backward_ms"] - plain_backward
             rows.append(row)
@@ -362,27 +316,20 @@ def check_against_ddp(collected: Collected, worlds: list[int]) -> dict[str, floa
         references = collected.params[("ddp", world)]
         synced = [c for c in CONFIGS if c != "ddp" and (c != "plain" or world == 1)]
         for config in synced:
-            errors[f"{config}@{world}"] = max(relative_error(p, ref) for p in collected.params[(config, world)]
+            errors[f"{config}@{world}"] = max(harness.relative_error(p, ref) for p in collected.params[(config, world)]
                                               for ref in references)
     return errors
 
 
 def print_table(rows: list[dict]) -> None:
-    def fmt(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    def calls(value: float | None) -> str:
-        return "-" if value is None else f"{value:.0f}"
-
-    print("| config | world | step ms | vs ddp | fwd ms | bwd ms | opt ms | bwd - plain ms | hook calls/step | "
-          "hook ms/step | hook us/call | grads MiB | bwd RSS rise MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['config']} | {r['world']} | {fmt(r['step_ms'])} | {r['step_vs_ddp']:.3f} | "
-              f"{fmt(r['forward_ms'])} | {fmt(r['backward_ms'])} | {fmt(r['optimizer_ms'])} | "
-              f"{fmt(r['backward_minus_plain_ms'])} | {calls(r['hook_calls_per_step'])} | "
-              f"{fmt(r['hook_ms_per_step'])} | {fmt(r['hook_us_per_call'])} | {r['grad_bytes'] / 2**20:.2f} | "
-              f"{r['rss_rise_bytes'] / 2**20:.2f} |")
+    header = ["config", "world", "step ms", "vs ddp", "fwd ms", "bwd ms", "opt ms", "bwd - plain ms", "hook calls/step",
+              "hook ms/step", "hook us/call", "grads MiB", "bwd RSS rise MiB"]
+    fmt = harness.fmt
+    print(harness.markdown_table(header, [
+        [r["config"], r["world"], fmt(r["step_ms"]), f"{r['step_vs_ddp']:.3f}", fmt(r["forward_ms"]),
+         fmt(r["backward_ms"]), fmt(r["optimizer_ms"]), fmt(r["backward_minus_plain_ms"]),
+         fmt(r["hook_calls_per_step"], ".0f"), fmt(r["hook_ms_per_step"]), fmt(r["hook_us_per_call"]),
+         f"{r['grad_bytes'] / 2**20:.2f}", f"{r['rss_rise_bytes'] / 2**20:.2f}"] for r in rows]))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -396,18 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory-steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs of every configuration")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="numbers of gloo ranks")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "host_overhead_cpu.json"))
+    parser.add_argument("--out", default=str(harness.RESULTS / "host_overhead_cpu.json"))
     args = parser.parse_args(argv)
-    args.steps = args.steps or (10 if args.quick else 100)
-    args.warmup = args.warmup or (3 if args.quick else 10)
-    args.memory_steps = args.memory_steps or (2 if args.quick else 5)
-    args.repeats = args.repeats or (1 if args.quick else 5)
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks
-    load_at_start = os.getloadavg()
-    start = time.perf_counter()
+    harness.quick_defaults(args, steps=(10, 100), warmup=(3, 10), memory_steps=(2, 5), repeats=(1, 5))
+    clock = harness.Clock()
     collected = Collected()
-    for repeat in range(args.repeats):
-        order = list(CONFIGS[repeat % len(CONFIGS):] + CONFIGS[:repeat % len(CONFIGS)])
+    for _, order in harness.interleave(CONFIGS, args.repeats):
         for world in args.worlds:
             for config, ranks in launch(world, order, args).items():
                 collected.add(config, world, ranks)
@@ -416,24 +357,15 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n{args.blocks} blocks of Linear({args.width}, {args.width}) + LayerNorm, batch {args.batch} per rank, "
           f"AdamW; {args.steps} steps x {args.repeats} interleaved repeats, medians of the slowest rank "
-          f"(torch {torch.__version__}, {os.cpu_count()} CPUs, {time.perf_counter() - start:.0f} s)\n")
+          f"(torch {torch.__version__}, {os.cpu_count()} CPUs, {clock.elapsed_s():.0f} s)\n")
     print_table(rows)
-    worst = max(errors.values())
-    print(f"\nfinal parameters vs ddp at the same world, max relative error: {worst:.1e} ("
-          + ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
-          + f"); {'within' if worst <= TOLERANCE else 'ABOVE'} the {TOLERANCE:.0e} tolerance")
+    worst = harness.report_errors(errors, "ddp", TOLERANCE)
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-               "torch": torch.__version__, "load_average_at_start": load_at_start,
-               "load_average_at_end": os.getloadavg()}
     runs = {f"{config}@{world}": summaries for (config, world), summaries in collected.summaries.items()}
-    out.write_text(json.dumps({"machine": machine, "args": vars(args), "rows": rows, "runs": runs,
-                               "max_rel_error_vs_ddp": errors}, indent=1))
+    out = harness.write_json(args.out, {"machine": clock.machine(threads=1), "args": vars(args), "rows": rows,
+                                        "runs": runs, "max_rel_error_vs_ddp": errors})
     print(f"wrote {out}")
-    if worst > FAIL_ABOVE:
-        sys.exit(f"FAILED: final parameters differ from ddp's by a relative error of {worst:.1e} (> {FAIL_ABOVE:.0e})")
+    harness.exit_if_above(worst, FAIL_ABOVE, "ddp")
 
 
 if __name__ == "__main__":

@@ -25,18 +25,15 @@ every core busy, multi-threaded kernels spend their time waiting at barriers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_layerwise.optim.muon import NS_SCHEDULES, newton_schulz_reference, orthogonalize  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -57,40 +54,6 @@ def parse_shapes(text: str, count: int) -> list[tuple[int, int]]:
     return shapes * count
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_once_ms(fn, device: torch.device) -> float:
-    """Wall time of one call in ms; on CUDA bracketed by events after a synchronize."""
-    if device.type == "cuda":
-        sync(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def time_pair_ms(fns: dict, device: torch.device, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Time several variants, interleaved repeat by repeat so a change of machine load
-    (a shared CPU) hits every variant alike rather than biasing the one that ran last."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    sync(device)
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            times[key].append(time_once_ms(fn, device))
-    return times
-
-
 def accuracy(mats: list[torch.Tensor], steps: int, schedule: str, dtype: torch.dtype) -> dict[str, float]:
     """Orthogonality of the output and its distance to the float64 run of the same iteration."""
     deviations, rel_err = [], 0.0
@@ -102,17 +65,6 @@ def accuracy(mats: list[torch.Tensor], steps: int, schedule: str, dtype: torch.d
     dev = torch.cat(deviations)
     return {"max_abs_sigma_minus_1": dev.max().item(), "mean_abs_sigma_minus_1": dev.mean().item(),
             "rel_err_vs_float64": rel_err}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "cpu"
 
 
 def bench_device(args: argparse.Namespace, device: torch.device, shapes: list[tuple[int, int]]) -> dict:
@@ -127,16 +79,19 @@ def bench_device(args: argparse.Namespace, device: torch.device, shapes: list[tu
             key: (lambda b=batched: orthogonalize(mats, args.steps, args.schedule, 1e-7, dtype, batched=b))
             for key, batched in (("batched", True), ("per_matrix", False))
         }
-        for key, times in time_pair_ms(variants, device, args.warmup, args.repeats).items():
-            row[f"{key}_ms_median"] = statistics.median(times)
-            row[f"{key}_ms_min"] = min(times)
+        # Interleaved repeat by repeat, so that a change of machine load (a shared CPU) hits every variant alike
+        # rather than biasing the one that ran last.
+        for key, times in harness.time_interleaved_ms(variants, device, args.warmup, args.repeats).items():
+            stats = harness.summary(times)
+            row[f"{key}_ms_median"] = stats["median_ms"]
+            row[f"{key}_ms_min"] = stats["min_ms"]
             row[f"{key}_ms_all"] = times
         row["speedup_batched"] = row["per_matrix_ms_median"] / row["batched_ms_median"]
         row["accuracy"] = {s: accuracy([m.cpu() for m in block], args.steps, s, dtype) for s in args.accuracy_schedules}
         rows.append(row)
     return {
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else harness.cpu_model(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -154,19 +109,20 @@ def bench_device(args: argparse.Namespace, device: torch.device, shapes: list[tu
 def print_table(result: dict) -> None:
     print(f"\n{result['device']} ({result['device_name']}, {result['threads']} threads, torch {result['torch']}): "
           f"{result['n_matrices']} matrices, ns_steps={result['ns_steps']}, median of {result['repeats']}")
-    head = f"{'ns_dtype':9} {'batched ms':>11} {'per-matrix ms':>14} {'speedup':>8}"
     schedules = list(result["rows"][0]["accuracy"])
-    for s in schedules:
-        head += f"  {s + ' max/mean|s-1|':>28} {'err vs fp64':>11}"
-    print(head)
+    columns = [harness.Column("ns_dtype", 9, align="<"), harness.Column("batched ms", 11, ".1f"),
+               harness.Column("per-matrix ms", 14, ".1f"), harness.Column("speedup", 8)]
+    for s in schedules:  # two spaces before each schedule's pair of columns
+        columns += [harness.Column(s + " max/mean|s-1|", 29), harness.Column("err vs fp64", 11, ".1e")]
+    rows = []
     for r in result["rows"]:
-        line = (f"{r['ns_dtype']:9} {r['batched_ms_median']:11.1f} {r['per_matrix_ms_median']:14.1f} "
-                f"{r['speedup_batched']:7.2f}x")
+        row = [r["ns_dtype"], r["batched_ms_median"], r["per_matrix_ms_median"], f"{r['speedup_batched']:.2f}x"]
         for s in schedules:
             acc = r["accuracy"][s]
             pair = f"{acc['max_abs_sigma_minus_1']:.3f}/{acc['mean_abs_sigma_minus_1']:.3f}"
-            line += f"  {pair:>28} {acc['rel_err_vs_float64']:11.1e}"
-        print(line)
+            row += [pair, acc["rel_err_vs_float64"]]
+        rows.append(row)
+    print(harness.fixed_width(columns, rows))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out-dir", default=str(harness.RESULTS))
     args = parser.parse_args(argv)
     args.accuracy_schedules = [s for s in args.accuracy_schedules.split(",") if s]
     if args.threads:
@@ -202,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         print_table(result)
         # A run with pinned threads gets its own file so it does not replace the default run.
         suffix = f"_threads{args.threads}" if args.threads else ""
-        path = out_dir / f"newton_schulz_{device.type}{suffix}.json"
-        path.write_text(json.dumps(result, indent=2))
+        path = harness.write_json(out_dir / f"newton_schulz_{device.type}{suffix}.json", result, indent=2)
         print(f"wrote {path}")
 
 

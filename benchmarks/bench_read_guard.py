@@ -27,25 +27,18 @@ Models: the example GPT (calls every module it uses: the guard never fires) and
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
-import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 import lightning_layerwise as llw  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 CONFIGS = {
     "wait": {"param_read_guard": "wait"},
@@ -111,28 +104,39 @@ def run_config(rank: int, world: int, model_name: str, config: str, steps: int, 
             waits.append(wrapper.comm_wait_seconds.get("all_gather", 0.0))
             guarded.append(wrapper.guarded_reads - before)
     wrapper.finish_param_sync()
-    checksum = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    checksum = harness.flat_params(model)
     n_buckets = len(wrapper.buckets)
     wrapper.release()
-    return {"step_ms": 1e3 * statistics.median(times), "all_gather_wait_ms": 1e3 * statistics.median(waits),
-            "guarded_reads_per_step": statistics.median(guarded), "params": checksum, "buckets": n_buckets}
+    return {"step_ms": 1e3 * harness.median_of(times), "all_gather_wait_ms": 1e3 * harness.median_of(waits),
+            "guarded_reads_per_step": harness.median_of(guarded), "params": checksum, "buckets": n_buckets}
 
 
-def _worker(rank: int, world: int, port: int, outdir: str, jobs: list, steps: int, warmup: int, quick: bool) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    results = [run_config(rank, world, m, c, steps, warmup, quick) for m, c in jobs]
-    if rank == 0:
-        torch.save(results, os.path.join(outdir, "results.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+def run_jobs(rank: int, world: int, jobs: list, steps: int, warmup: int, quick: bool) -> list[dict]:
+    """Every (model, configuration) of ``jobs`` in turn on this rank."""
+    return [run_config(rank, world, m, c, steps, warmup, quick) for m, c in jobs]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def summarize(models: list[str], jobs: list, results: list[dict]) -> list[dict]:
+    """One row per model and configuration: medians over its runs, the error against ``no_overlap``."""
+    rows: dict[tuple[str, str], list[dict]] = {}
+    for job, result in zip(jobs, results):
+        rows.setdefault(job, []).append(result)
+    table = []
+    for model in models:
+        reference = rows[(model, "no_overlap")][0]["params"]
+        off_ms = harness.median_of(r["step_ms"] for r in rows[(model, "off")])
+        for config in CONFIGS:
+            runs = rows[(model, config)]
+            step_ms = harness.median_of(r["step_ms"] for r in runs)
+            table.append({
+                "model": model, "config": config, "buckets": runs[0]["buckets"], "step_ms_median": step_ms,
+                "step_vs_off": step_ms / off_ms,
+                "all_gather_wait_ms_median": harness.median_of(r["all_gather_wait_ms"] for r in runs),
+                "guarded_reads_per_step": harness.median_of(r["guarded_reads_per_step"] for r in runs),
+                "max_rel_err_vs_no_overlap": max(harness.relative_error(r["params"], reference) for r in runs),
+                "runs": len(runs),
+            })
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -140,47 +144,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps (a smoke test)")
     parser.add_argument("--repeats", type=int, default=None, help="interleaved runs of every configuration")
     parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "read_guard_cpu.json"))
-    args = parser.parse_args(argv)
-    repeats = args.repeats or (1 if args.quick else 5)
-    steps = args.steps or (3 if args.quick else 15)
+    parser.add_argument("--out", default=str(harness.RESULTS / "read_guard_cpu.json"))
+    args = harness.quick_defaults(parser.parse_args(argv), repeats=(1, 5), steps=(3, 15))
+    repeats, steps = args.repeats, args.steps
     models = ["example_gpt", "demo_transformer"]
     jobs = [(m, c) for _ in range(repeats) for m in models for c in CONFIGS]  # interleaved
     world = 2
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, free_port(), outdir, jobs, steps, 2, args.quick), nprocs=world,
-                           start_method="spawn")
-        results = torch.load(os.path.join(outdir, "results.pt"), weights_only=False)
-    rows = {}
-    for (model, config), result in zip(jobs, results):
-        rows.setdefault((model, config), []).append(result)
-    table = []
-    for model in models:
-        reference = rows[(model, "no_overlap")][0]["params"]
-        off_ms = statistics.median(r["step_ms"] for r in rows[(model, "off")])
-        for config in CONFIGS:
-            runs = rows[(model, config)]
-            step_ms = statistics.median(r["step_ms"] for r in runs)
-            worst = max(((r["params"] - reference).norm() / reference.norm()).item() for r in runs)
-            table.append({
-                "model": model, "config": config, "buckets": runs[0]["buckets"], "step_ms_median": step_ms,
-                "step_vs_off": step_ms / off_ms,
-                "all_gather_wait_ms_median": statistics.median(r["all_gather_wait_ms"] for r in runs),
-                "guarded_reads_per_step": statistics.median(r["guarded_reads_per_step"] for r in runs),
-                "max_rel_err_vs_no_overlap": worst, "runs": len(runs),
-            })
+    results = harness.run_ranks(run_jobs, world, jobs, steps, 2, args.quick)[0]
+    table = summarize(models, jobs, results)
     print(f"\n2 gloo ranks, {steps} steps x {repeats} interleaved runs, medians (torch {torch.__version__})\n")
-    print("| model | config | buckets | step ms | vs off | all-gather wait ms | guarded reads/step | "
-          "rel err vs no_overlap |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in table:
-        print(f"| {r['model']} | {r['config']} | {r['buckets']} | {r['step_ms_median']:.1f} | "
-              f"{r['step_vs_off']:.3f} | {r['all_gather_wait_ms_median']:.2f} | "
-              f"{r['guarded_reads_per_step']:.0f} | {r['max_rel_err_vs_no_overlap']:.1e} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"world": world, "steps": steps, "repeats": repeats, "quick": args.quick,
-                               "torch": torch.__version__, "rows": table}, indent=1))
+    print(harness.markdown_table(
+        ["model", "config", "buckets", "step ms", "vs off", "all-gather wait ms", "guarded reads/step",
+         "rel err vs no_overlap"],
+        [[r["model"], r["config"], r["buckets"], f"{r['step_ms_median']:.1f}", f"{r['step_vs_off']:.3f}",
+          f"{r['all_gather_wait_ms_median']:.2f}", f"{r['guarded_reads_per_step']:.0f}",
+          f"{r['max_rel_err_vs_no_overlap']:.1e}"] for r in table]))
+    out = harness.write_json(args.out, {"world": world, "steps": steps, "repeats": repeats, "quick": args.quick,
+                                        "torch": torch.__version__, "rows": table})
     print(f"\nwrote {out}")
 
 

@@ -13,34 +13,25 @@ warm-up; medians. A check every N steps costs ``check / (N * step)`` of the run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "examples"), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "examples")]
 
 import lightning_layerwise as llw  # noqa: E402
-from bench_read_guard import free_port  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 MODELS = {"example_gpt": {}, "gpt_25m": {"n_layer": 8, "n_embd": 512, "n_head": 8}}
 
 
-def _worker(rank: int, world: int, port: int, outdir: str, repeats: int) -> None:
+def measure(rank: int, world: int, repeats: int) -> dict[str, dict]:
+    """Per model: its size, and the median step and check times on this rank."""
     from gpt import GPT, GPTConfig
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     rows = {}
     for name, overrides in MODELS.items():
         torch.manual_seed(0)
@@ -66,31 +57,26 @@ def _worker(rank: int, world: int, port: int, outdir: str, repeats: int) -> None
                 checks.append(t2 - t1)
         rows[name] = {"params": sum(p.numel() for p in model.parameters()),
                       "tensors": len(list(model.parameters())),
-                      "step_ms": 1e3 * statistics.median(steps), "check_ms": 1e3 * statistics.median(checks)}
+                      "step_ms": 1e3 * harness.median_of(steps), "check_ms": 1e3 * harness.median_of(checks)}
         wrapper.release()
-    if rank == 0:
-        (Path(outdir) / "rows.json").write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "replica_check_cpu.json"))
+    parser.add_argument("--out", default=str(harness.RESULTS / "replica_check_cpu.json"))
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(2, free_port(), outdir, args.repeats), nprocs=2, start_method="spawn")
-        rows = json.loads((Path(outdir) / "rows.json").read_text())
+    rows = harness.run_ranks(measure, 2, args.repeats)[0]
     print(f"\n2 gloo ranks, medians of {args.repeats} (torch {torch.__version__})\n")
-    print("| model | parameters | tensors | step ms | check ms | check / step | cost at every 100 steps |")
-    print("|---|---|---|---|---|---|---|")
+    table = []
     for name, r in rows.items():
         share = r["check_ms"] / r["step_ms"]
-        print(f"| {name} | {r['params'] / 1e6:.1f}M | {r['tensors']} | {r['step_ms']:.1f} | {r['check_ms']:.2f} | "
-              f"{share:.3f} | {share / 100:.2%} |")
-    Path(args.out).write_text(json.dumps({"world": 2, "repeats": args.repeats, "torch": torch.__version__,
-                                          "rows": rows}, indent=1))
+        table.append([name, f"{r['params'] / 1e6:.1f}M", r["tensors"], f"{r['step_ms']:.1f}", f"{r['check_ms']:.2f}",
+                      f"{share:.3f}", f"{share / 100:.2%}"])
+    print(harness.markdown_table(["model", "parameters", "tensors", "step ms", "check ms", "check / step",
+                                  "cost at every 100 steps"], table))
+    harness.write_json(args.out, {"world": 2, "repeats": args.repeats, "torch": torch.__version__, "rows": rows})
     print(f"\nwrote {args.out}")
 
 

@@ -6,7 +6,7 @@ Run from the repository root (gloo ranks on CPU; the default takes about 2 minut
     .venv/bin/python benchmarks/bench_session_collectives.py --quick        # seconds, for a smoke test
     .venv/bin/python benchmarks/bench_session_collectives.py --worlds 2 --repeats 3 --out /tmp/collectives.json
 
-The model is the example GPT at the size ``tests/test_torch_loop.py`` builds (``examples/gpt.py``:
+The model is the example GPT at the size ``tests/session/test_torch_loop.py`` builds (``examples/gpt.py``:
 vocabulary 256, 2 layers, 2 heads, width 32, block 16, no biases; 33,440 parameters in 15 tensors,
 the embedding tied to the head; no module buffers), ``torch.optim.AdamW(lr=1e-3)``, random tokens,
 ``--rows`` rows per rank per micro-batch. One optimizer step is ``--micro`` micro-batches of
@@ -22,7 +22,7 @@ accumulation (the loss divided by their number), then
   loop: ``loss.backward()``, torch's clip, ``optimizer.step()``;
 * ``*_nosync``: the first micro-batch's forward and backward inside ``session.wrapper.no_sync()`` /
   ``ddp.no_sync()``, so only the last backward reduces;
-* ``session_small_buckets*``: the session with ``bucket_size=4096`` (as ``tests/test_torch_loop.py``),
+* ``session_small_buckets*``: the session with ``bucket_size=4096`` (as ``tests/session/test_torch_loop.py``),
   to show what each extra bucket costs;
 * ``session_no_flags*``, a what-if: the session with the split-parameter flags' all-reduce of
   ``finish_grad_sync`` (started there, waited for in ``GradientSync._split_parameters_used`` or at
@@ -49,7 +49,7 @@ Per repeat and world, ``world`` forked processes (one intra-op thread each, a fr
    counted as a cross-check of the counts below; rank 0's final parameters are kept;
 2. counted (first repeat only: the counts do not vary): a fresh model and wrapper, every
    ``torch.distributed`` function that moves tensors replaced by a counting wrapper before it is
-   built (and the two names ``lightning_layerwise/collectives.py`` bound at import,
+   built (and the two names ``lightning_layerwise/engine/collectives.py`` bound at import,
    ``_reduce_scatter_single`` and ``_all_gather_single``): each call's kind, reduce op, bytes (of
    the whole tensor it covers: the all-reduced tensor, a reduce-scatter's input, an all-gather's
    output), group size, whether asynchronous, the loop phase it ran in, the package function
@@ -75,25 +75,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import functools
 import json
 import os
-import platform
-import socket
-import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -101,8 +94,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import lightning_layerwise as llw  # noqa: E402
-from lightning_layerwise import collectives as llw_collectives  # noqa: E402
+from lightning_layerwise.engine import collectives as llw_collectives  # noqa: E402
 from examples.gpt import GPT, GPTConfig  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 CONFIGS = ("session", "session_nosync", "ddp", "ddp_nosync", "session_small_buckets", "session_small_buckets_nosync",
            "session_no_flags", "session_no_flags_nosync")
@@ -261,15 +255,16 @@ def without_split_flags(wrapper: llw.LayerwiseDataParallel) -> None:
     """What-if (module doc): the split-parameter flags' all-reduce of ``finish_grad_sync`` left out, as if fused
     into another collective. Valid only when every split parameter gets a gradient on every rank (checked here):
     then the all-reduce's answer is "used" for all of them, which this returns without communicating."""
-    split = [p for params, _ in wrapper._split_by_group for p in params]
+    sync = wrapper.grad_sync
+    split = [p for params, _ in sync._split_by_group for p in params]
 
     def used() -> dict:
-        if not all(wrapper._records[p].seen for p in split):
+        if not all(sync._records[p].seen for p in split):
             raise RuntimeError("no_flags what-if: a split parameter got no gradient on this rank; the flags matter")
         return {p: True for p in split}
 
-    wrapper._split_parameters_used = used  # this wrapper only; the package is not changed
-    wrapper._split_by_group, wrapper._split_flags = [], []  # so finish_grad_sync starts no flags all-reduce
+    sync._split_parameters_used = used  # this wrapper only; the package is not changed
+    sync._split_by_group, sync._split_flags = [], []  # so finish_grad_sync starts no flags all-reduce
 
 
 def train_step(loop: Loop, model: nn.Module, optimizer: torch.optim.Optimizer, micro: list, no_sync: bool
@@ -352,7 +347,7 @@ def run_timed(configs: list[str], rank: int, world: int, args: argparse.Namespac
         no_sync = config.endswith("_nosync")
         c10d_ops = profiled_c10d_ops(lambda: train_step(loop, model, optimizer, batches[-1], no_sync), loop.settle)
         loop.release()
-        params = torch.cat([p.detach().double().flatten() for p in model.parameters()]) if rank == 0 else None
+        params = harness.flat_params(model) if rank == 0 else None
         results[config] = {"phases": {phase: [t[phase] for t in timed[config]] for phase in PHASES},
                            "c10d_ops": c10d_ops, "params": params}
     return results
@@ -404,17 +399,12 @@ def latency_probe(bucket_elements: int, iterations: int) -> dict[str, float]:
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
-        out[name] = 1e3 * statistics.median(times)
+        out[name] = 1e3 * harness.median_of(times)
     return out
 
 
-def _worker(rank: int, world: int, port: int, outdir: str, configs: list[str], count: bool,
-            args: argparse.Namespace) -> None:
-    faulthandler.enable()  # a crashing rank prints where it was
-    torch.set_num_threads(1)
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+def run_rank(rank: int, world: int, configs: list[str], count: bool, args: argparse.Namespace) -> dict:
+    """This rank's share of one launch: the timed runs, the counted ones (``count``), the latency probe."""
     results = {"timed": run_timed(configs, rank, world, args)}
     if count:
         RECORDER.install()
@@ -424,22 +414,7 @@ def _worker(rank: int, world: int, port: int, outdir: str, configs: list[str], c
             RECORDER.uninstall()
     bucket_elements = sum(p.numel() for p in build_model().parameters())
     results["latency_ms"] = latency_probe(bucket_elements, args.probe_iterations)
-    torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world: int, configs: list[str], count: bool, args: argparse.Namespace) -> list[dict]:
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_worker, args=(world, free_port(), outdir, configs, count, args), nprocs=world,
-                           start_method="fork")
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return results
 
 
 # --- summaries ------------------------------------------------------------------------------------------------
@@ -469,7 +444,7 @@ def count_summary(ranks: list[dict], config: str) -> dict:
                                        "bytes": e["bytes"], "async": e["async"], "calls": 0, "sync_ms": []})
         entry["calls"] += 1
         if e["sync_ms"] is not None:  # the slowest rank's median over the counted steps, for each occurrence
-            entry["sync_ms"].append(max(statistics.median(s["events"][i]["sync_ms"] for s in steps)
+            entry["sync_ms"].append(max(harness.median_of(s["events"][i]["sync_ms"] for s in steps)
                                         for steps in per_rank))
     site_list = []
     for entry in sites.values():
@@ -494,12 +469,7 @@ def references(config: str, configs: list[str]) -> dict[str, str]:
 
 
 def timing_summary(ranks: list[dict], config: str) -> dict:
-    return {f"{phase}_ms": 1e3 * max(statistics.median(r["timed"][config]["phases"][phase]) for r in ranks)
-            for phase in PHASES}
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    return {f"{phase}_ms": harness.slowest_ms(r["timed"][config]["phases"][phase] for r in ranks) for phase in PHASES}
 
 
 def print_tables(rows: list[dict], counts: dict, latency: dict) -> None:
@@ -508,32 +478,28 @@ def print_tables(rows: list[dict], counts: dict, latency: dict) -> None:
         nbytes = sum(row_counts["by_kind"].get(k, {}).get("bytes", 0) for k in kinds)
         return "0" if not calls else f"{calls} ({_fmt_bytes(nbytes)})"
 
-    print("| config | world | collectives/step | all-reduce | reduce-scatter | all-gather | broadcast | "
-          "≤1 KiB | bytes/step | c10d ops (profiler) | step ms | vs ddp | vs ddp, paired | vs session, paired | "
-          "micro-batches ms | clip ms | opt ms | settle ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ["config", "world", "collectives/step", "all-reduce", "reduce-scatter", "all-gather", "broadcast",
+              "≤1 KiB", "bytes/step", "c10d ops (profiler)", "step ms", "vs ddp", "vs ddp, paired",
+              "vs session, paired", "micro-batches ms", "clip ms", "opt ms", "settle ms"]
+    table = []
     for r in rows:
         c = counts[(r["config"], r["world"])]
-        print(f"| {r['config']} | {r['world']} | {c['collectives']} | {kind_cell(c, ('all_reduce',))} | "
-              f"{kind_cell(c, ('reduce_scatter_tensor', 'reduce_scatter'))} | "
-              f"{kind_cell(c, ('all_gather_into_tensor', 'all_gather'))} | "
-              f"{kind_cell(c, ('broadcast', '_broadcast_coalesced'))} | {c['small_collectives']} | "
-              f"{_fmt_bytes(c['bytes'])} | {r['c10d_ops']} | {r['step_ms']:.2f} | {r['step_vs_ddp']:.2f} | "
-              f"{r['vs_ddp']:.2f} | {'-' if r['vs_session'] is None else format(r['vs_session'], '.2f')} | "
-              f"{r['micro_batches_ms']:.2f} | {r['clip_ms']:.2f} | {r['optimizer_ms']:.2f} | {r['settle_ms']:.2f} |")
+        table.append([
+            r["config"], r["world"], c["collectives"], kind_cell(c, ("all_reduce",)),
+            kind_cell(c, ("reduce_scatter_tensor", "reduce_scatter")),
+            kind_cell(c, ("all_gather_into_tensor", "all_gather")), kind_cell(c, ("broadcast", "_broadcast_coalesced")),
+            c["small_collectives"], _fmt_bytes(c["bytes"]), r["c10d_ops"], f"{r['step_ms']:.2f}",
+            f"{r['step_vs_ddp']:.2f}", f"{r['vs_ddp']:.2f}", harness.fmt(r["vs_session"]),
+            f"{r['micro_batches_ms']:.2f}", f"{r['clip_ms']:.2f}", f"{r['optimizer_ms']:.2f}", f"{r['settle_ms']:.2f}"])
+    print(harness.markdown_table(header, table))
     for world in sorted({w for _, w in counts}):
         print(f"\nWhere each collective of a step comes from, world {world} (sync ms: the slowest rank's median "
               "wall time inside the call, synchronous calls only):\n")
-        print("| config | phase | issued by | kind | op | bytes | async | calls | sync ms |")
-        print("|---|---|---|---|---|---|---|---|---|")
-        for (config, w), c in counts.items():
-            if w != world:
-                continue
-            for s in c["sites"]:
-                sync = "-" if s["sync_ms"] is None else f"{s['sync_ms']:.3f}"
-                print(f"| {config} | {s['phase']} | `{s['site']}` | {KIND_SHORT.get(s['kind'], s['kind'])} | "
-                      f"{s['op'] or '-'} | {_fmt_bytes(s['bytes'])} | {'yes' if s['async'] else 'no'} | "
-                      f"{s['calls']} | {sync} |")
+        sites = [[config, s["phase"], f"`{s['site']}`", KIND_SHORT.get(s["kind"], s["kind"]), s["op"] or "-",
+                  _fmt_bytes(s["bytes"]), "yes" if s["async"] else "no", s["calls"], harness.fmt(s["sync_ms"], ".3f")]
+                 for (config, w), c in counts.items() if w == world for s in c["sites"]]
+        print(harness.markdown_table(["config", "phase", "issued by", "kind", "op", "bytes", "async", "calls",
+                                      "sync ms"], sites))
         print(f"\nLatency probe, world {world} (ms, blocking, median of the slowest rank over repeats): "
               + ", ".join(f"{name} {ms:.3f}" for name, ms in latency[world].items()))
 
@@ -544,6 +510,68 @@ def _fmt_bytes(n: int) -> str:
     if n < 2**20:
         return f"{n / 1024:.1f} KiB"
     return f"{n / 2**20:.2f} MiB"
+
+
+@dataclass
+class Collected:
+    """What the launches gave, by (configuration, world): timings of each run, rank 0's profiler counts and final
+    parameters, the counted collectives (first repeat), and the latency probe's medians by world."""
+
+    timings: dict[tuple[str, int], list[dict]] = field(default_factory=dict)
+    c10d: dict[tuple[str, int], list[dict]] = field(default_factory=dict)
+    params: dict[tuple[str, int], list[torch.Tensor]] = field(default_factory=dict)
+    counts: dict[tuple[str, int], dict] = field(default_factory=dict)
+    latency_runs: dict[int, list[dict]] = field(default_factory=dict)
+
+    def add(self, world: int, order: list[str], ranks: list[dict], configs: list[str], counted: bool) -> None:
+        for config in order:
+            self.timings.setdefault((config, world), []).append(timing_summary(ranks, config))
+        for config in order:  # ratios within this launch (the same processes, interleaved)
+            this = self.timings[(config, world)][-1]
+            for name, reference in references(config, configs).items():
+                this[f"vs_{name}"] = this["step_ms"] / self.timings[(reference, world)][-1]["step_ms"]
+        for config in order:
+            self.c10d.setdefault((config, world), []).append(ranks[0]["timed"][config]["c10d_ops"])
+            self.params.setdefault((config, world), []).append(ranks[0]["timed"][config]["params"])
+            if counted:
+                self.counts[(config, world)] = count_summary(ranks, config)
+        self.latency_runs.setdefault(world, []).append(
+            {name: max(r["latency_ms"][name] for r in ranks) for name in ranks[0]["latency_ms"]})
+
+
+def collect(args: argparse.Namespace) -> Collected:
+    """Every repeat and world: one launch of every configuration, the order rotated each repeat."""
+    collected = Collected()
+    for repeat, order in harness.interleave(args.configs, args.repeats):
+        for world in args.worlds:
+            if world != args.worlds[0] and repeat >= args.other_world_repeats:
+                continue
+            ranks = harness.run_ranks(run_rank, world, order, repeat == 0, args, start_method="fork")
+            collected.add(world, order, ranks, args.configs, counted=repeat == 0)
+    return collected
+
+
+def table_rows(collected: Collected, args: argparse.Namespace) -> list[dict]:
+    """One row per configuration and world: medians over repeats, and the step against ``ddp``'s."""
+    rows = []
+    for world in args.worlds:
+        for config in args.configs:
+            runs = collected.timings[(config, world)]
+            c10d = collected.c10d[(config, world)]
+            row = {"config": config, "world": world, "runs": len(runs), **harness.medians(runs)}
+            row.setdefault("vs_session", None)
+            row["step_ms_each_run"] = [run["step_ms"] for run in runs]
+            ops = {json.dumps(o, sort_keys=True) for o in c10d}
+            row["c10d_ops"] = sum(c10d[0].values()) if len(ops) == 1 else "varies"
+            row["c10d_ops_by_name"] = c10d[0]
+            rows.append(row)
+        base = {False: next(r for r in rows if r["world"] == world and r["config"] == "ddp")}
+        nosync = [r for r in rows if r["world"] == world and r["config"] == "ddp_nosync"]
+        base[True] = nosync[0] if nosync else base[False]
+        for r in rows:
+            if r["world"] == world:
+                r["step_vs_ddp"] = r["step_ms"] / base[r["config"].endswith("_nosync")]["step_ms"]  # of medians
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -561,93 +589,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count-steps", type=int, default=3)
     parser.add_argument("--count-warmup", type=int, default=3)
     parser.add_argument("--probe-iterations", type=int, default=None)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "session_collectives_cpu.json"))
+    parser.add_argument("--out", default=str(harness.RESULTS / "session_collectives_cpu.json"))
     args = parser.parse_args(argv)
-    args.steps = args.steps or (5 if args.quick else 30)
-    args.warmup = args.warmup or (2 if args.quick else 5)
-    args.repeats = args.repeats or (1 if args.quick else 5)
-    args.probe_iterations = args.probe_iterations or (20 if args.quick else 100)
+    harness.quick_defaults(args, steps=(5, 30), warmup=(2, 5), repeats=(1, 5), probe_iterations=(20, 100))
     if "ddp" not in args.configs:
         args.configs = ["ddp", *args.configs]
-    os.environ["OMP_NUM_THREADS"] = "1"
-    load_at_start = os.getloadavg()
-    start = time.perf_counter()
-    timings: dict[tuple[str, int], list[dict]] = {}
-    c10d: dict[tuple[str, int], list[dict]] = {}
-    params: dict[tuple[str, int], list[torch.Tensor]] = {}
-    counts: dict[tuple[str, int], dict] = {}
-    latency_runs: dict[int, list[dict]] = {}
-    for repeat in range(args.repeats):
-        shift = repeat % len(args.configs)
-        order = args.configs[shift:] + args.configs[:shift]
-        for world in args.worlds:
-            if world != args.worlds[0] and repeat >= args.other_world_repeats:
-                continue
-            ranks = launch(world, order, repeat == 0, args)
-            for config in order:
-                timings.setdefault((config, world), []).append(timing_summary(ranks, config))
-            for config in order:  # ratios within this launch (the same processes, interleaved)
-                this = timings[(config, world)][-1]
-                for name, reference in references(config, args.configs).items():
-                    this[f"vs_{name}"] = this["step_ms"] / timings[(reference, world)][-1]["step_ms"]
-            for config in order:
-                c10d.setdefault((config, world), []).append(ranks[0]["timed"][config]["c10d_ops"])
-                params.setdefault((config, world), []).append(ranks[0]["timed"][config]["params"])
-                if repeat == 0:
-                    counts[(config, world)] = count_summary(ranks, config)
-            latency_runs.setdefault(world, []).append(
-                {name: max(r["latency_ms"][name] for r in ranks) for name in ranks[0]["latency_ms"]})
+    clock = harness.Clock()
+    collected = collect(args)
+    rows = table_rows(collected, args)
+    latency = {world: harness.medians(runs) for world, runs in collected.latency_runs.items()}
+    errors = {f"{config}@{world}": max(harness.relative_error(p, ref) for p in params
+                                        for ref in collected.params[("ddp", world)])
+              for (config, world), params in collected.params.items() if config != "ddp"}
 
-    rows = []
-    for world in args.worlds:
-        for config in args.configs:
-            runs = timings[(config, world)]
-            row = {"config": config, "world": world, "runs": len(runs)}
-            row.update({key: statistics.median(run[key] for run in runs) for key in runs[0]})
-            row.setdefault("vs_session", None)
-            row["step_ms_each_run"] = [run["step_ms"] for run in runs]
-            ops = {json.dumps(o, sort_keys=True) for o in c10d[(config, world)]}
-            row["c10d_ops"] = sum(c10d[(config, world)][0].values()) if len(ops) == 1 else "varies"
-            row["c10d_ops_by_name"] = c10d[(config, world)][0]
-            rows.append(row)
-        base = {False: next(r for r in rows if r["world"] == world and r["config"] == "ddp")}
-        nosync = [r for r in rows if r["world"] == world and r["config"] == "ddp_nosync"]
-        base[True] = nosync[0] if nosync else base[False]
-        for r in rows:
-            if r["world"] == world:
-                r["step_vs_ddp"] = r["step_ms"] / base[r["config"].endswith("_nosync")]["step_ms"]  # of medians
-    latency = {world: {name: statistics.median(run[name] for run in runs) for name in runs[0]}
-               for world, runs in latency_runs.items()}
-    errors = {f"{config}@{world}": max(relative_error(p, ref) for p in params[(config, world)]
-                                        for ref in params[("ddp", world)])
-              for config, world in params if config != "ddp"}
-
-    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), platform.processor())
     print(f"\nexample GPT (33,440 parameters), AdamW, {args.micro} micro-batches of {args.rows} rows x 16 tokens per "
           f"rank per step, clip 1.0; {args.steps} timed steps x {args.repeats} interleaved repeats "
           f"({min(args.repeats, args.other_world_repeats)} beyond {args.worlds[0]} ranks), medians of the "
           f"slowest rank; vs ddp: against ddp with the same no_sync setting (torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs, {cpu_model}, {time.perf_counter() - start:.0f} s)\n")
-    print_tables(rows, counts, latency)
-    worst = max(errors.values()) if errors else 0.0
-    print(f"\nfinal parameters vs ddp at the same world, max relative error: {worst:.1e} ("
-          + ", ".join(f"{name} {error:.1e}" for name, error in errors.items()) + ")")
+          f"{os.cpu_count()} CPUs, {harness.cpu_model()}, {clock.elapsed_s():.0f} s)\n")
+    print_tables(rows, collected.counts, latency)
+    worst = harness.report_errors(errors, "ddp")
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu_count": os.cpu_count(), "cpu_model": cpu_model, "platform": platform.platform(),
-               "python": platform.python_version(), "torch": torch.__version__,
-               "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()}
-    out.write_text(json.dumps({
-        "machine": machine, "args": vars(args), "rows": rows,
-        "counts": {f"{config}@{world}": c for (config, world), c in counts.items()},
+    out = harness.write_json(args.out, {
+        "machine": clock.machine(threads=1), "args": vars(args), "rows": rows,
+        "counts": {f"{config}@{world}": c for (config, world), c in collected.counts.items()},
         "latency_ms": {str(w): v for w, v in latency.items()},
-        "runs": {f"{config}@{world}": t for (config, world), t in timings.items()},
-        "max_rel_error_vs_ddp": errors}, indent=1))
+        "runs": {f"{config}@{world}": t for (config, world), t in collected.timings.items()},
+        "max_rel_error_vs_ddp": errors})
     print(f"wrote {out}")
-    if worst > FAIL_ABOVE:
-        sys.exit(f"FAILED: final parameters differ from ddp's by a relative error of {worst:.1e} (> {FAIL_ABOVE:.0e})")
+    harness.exit_if_above(worst, FAIL_ABOVE, "ddp")
 
 
 if __name__ == "__main__":

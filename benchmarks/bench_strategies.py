@@ -61,7 +61,7 @@ then the median over steps):
   ``2(n-1)/n`` of the bytes, the others ``(n-1)/n``);
 * exposed communication: wall time the training thread was blocked on communication.
   ``layerwise``: the wrapper's own ``comm_wait_seconds`` (Note [timing communication
-  waits] in ``lightning_layerwise/data_parallel.py``: reduce-scatter and all-gather
+  waits] in ``lightning_layerwise/engine/data_parallel.py``: reduce-scatter and all-gather
   waits, the synchronous norm all-reduce). Others: time in ``Work.wait()`` and in
   synchronous collectives called from Python, plus for DDP the tail of backward after
   the last gradient was accumulated (``on_after_backward`` minus the last
@@ -119,23 +119,24 @@ import functools
 import inspect
 import json
 import os
-import platform
 import resource
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402  (never imports lightning_layerwise: see CommCounter)
+
 DOCS = ROOT / "docs" / "benchmarks"
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = harness.RESULTS
 
 
 @dataclass(frozen=True)
@@ -351,143 +352,161 @@ def _world_size(group) -> int:
 # ---------------------------------------------------------------------------------------
 
 
-def run_worker(args: argparse.Namespace) -> None:
-    if args.accelerator == "cpu":
-        # Before torch creates its thread pool; the env vars also reach the launched ranks.
-        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
-    comm = CommCounter().install()  # before lightning_layerwise binds its collectives
-    import lightning as L
-    import torch.distributed as dist
-    import torch.optim._muon as torch_muon
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+@dataclass
+class Worker:
+    """One configuration's run on this rank: its settings, and the clocks its pieces below share."""
 
-    sys.path.insert(0, str(ROOT))
-    import lightning_layerwise as llw
-    import lightning_layerwise.optim.muon as llw_muon
-    from examples.data import CharDataModule
-    from examples.module import GPTLightningModule
+    args: argparse.Namespace
+    comm: CommCounter
+    config: Config = field(init=False)
+    size: Size = field(init=False)
+    cuda: bool = field(init=False)
+    ns_seconds: float = 0.0
+    """Wall time inside Newton-Schulz so far."""
+    last_grad: float = 0.0
+    """When the last gradient was accumulated (DDP: see Note [DDP's bytes])."""
 
-    if args.accelerator == "cpu":
-        torch.set_num_threads(args.threads)
-    config = CONFIGS[args._worker]
-    size = SIZES[args._size]
-    cuda = args.accelerator == "gpu"
-    ns_dtype = getattr(torch, args.ns_dtype)
-    ns_seconds = [0.0]
+    def __post_init__(self) -> None:
+        self.config = CONFIGS[self.args._worker]
+        self.size = SIZES[self.args._size]
+        self.cuda = self.args.accelerator == "gpu"
 
-    def sync() -> None:
-        if cuda:
+    @property
+    def ns_dtype(self) -> torch.dtype:
+        return getattr(torch, self.args.ns_dtype)
+
+    def sync(self) -> None:
+        if self.cuda:
             torch.cuda.synchronize()
 
-    def timed(fn):
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            sync()
-            t0 = time.perf_counter()
-            out = fn(*a, **k)
-            sync()
-            ns_seconds[0] += time.perf_counter() - t0
-            return out
-        return wrapper
+    def time_newton_schulz(self) -> None:
+        """Wraps both Newton-Schulz implementations so that their wall time adds up in :attr:`ns_seconds`."""
+        import torch.optim._muon as torch_muon
 
-    llw_muon.orthogonalize = timed(llw_muon.orthogonalize)  # looked up by muon_step at call time
-    torch_muon._zeropower_via_newtonschulz = timed(torch_muon._zeropower_via_newtonschulz)
+        import lightning_layerwise.optim.muon as llw_muon
 
-    # DDP's reducer all-reduces from C++, unseen by CommCounter: see Note [DDP's bytes].
-    last_grad = [0.0]
+        def timed(fn):
+            @functools.wraps(fn)
+            def wrapper(*a, **k):
+                self.sync()
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                self.sync()
+                self.ns_seconds += time.perf_counter() - t0
+                return out
+            return wrapper
 
-    def on_grad(param) -> None:
-        last_grad[0] = time.perf_counter()
+        llw_muon.orthogonalize = timed(llw_muon.orthogonalize)  # looked up by muon_step at call time
+        torch_muon._zeropower_via_newtonschulz = timed(torch_muon._zeropower_via_newtonschulz)
 
-    def make_optimizer(model: torch.nn.Module):
-        groups = llw.muon_param_groups(model, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr)
-        if config.optimizer == "adamw":
-            return torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
-        if config.optimizer == "muon":
-            return llw.Muon(groups, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr, ns_dtype=ns_dtype)
-        if config.optimizer == "torch_muon":
-            return MuonAndAdamW(groups, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr)
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    def on_grad(self, param) -> None:
+        self.last_grad = time.perf_counter()
 
-        # lr written into both groups: see Note [ZeroRedundancyOptimizer and Muon's groups].
-        return ZeroRedundancyOptimizer(groups, optimizer_class=llw.Muon, lr=args.muon_lr,
-                                       adamw_lr=args.muon_adamw_lr, ns_dtype=ns_dtype)
 
-    class Probe(L.Callback):
-        """Clock readings at five points of every step, counters, and memory, on this rank."""
+def make_optimizer(worker: Worker, model: torch.nn.Module):
+    import lightning_layerwise as llw
 
-        def __init__(self) -> None:
-            self.marks: dict[str, list[dict[str, float]]] = {
-                e: [] for e in ("start", "grads", "clipped", "stepped", "end")}
-            self.counters: list[dict[str, float]] = []
-            self.losses: list[float] = []
-            self.ddp_exposed_s = 0.0
-            self.ddp_bucket_bytes = 0
-            self.state_bytes_peak = 0
-            self.param_bytes = 0
-            self.wrapper = None
+    args = worker.args
+    groups = llw.muon_param_groups(model, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr)
+    if worker.config.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=args.adamw_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    if worker.config.optimizer == "muon":
+        return llw.Muon(groups, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr, ns_dtype=worker.ns_dtype)
+    if worker.config.optimizer == "torch_muon":
+        return MuonAndAdamW(groups, lr=args.muon_lr, adamw_lr=args.muon_adamw_lr)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        def mark(self, event: str) -> None:
-            sync()
-            self.marks[event].append({"wall": time.perf_counter(), "process": time.process_time()})
+    # lr written into both groups: see Note [ZeroRedundancyOptimizer and Muon's groups].
+    return ZeroRedundancyOptimizer(groups, optimizer_class=llw.Muon, lr=args.muon_lr,
+                                   adamw_lr=args.muon_adamw_lr, ns_dtype=worker.ns_dtype)
 
-        def on_train_start(self, trainer, pl_module) -> None:
-            if cuda:  # here the rank's device is set; earlier would touch GPU 0 from every rank
-                torch.cuda.reset_peak_memory_stats()
-            self.param_bytes = _storage_bytes(_local(p) for p in pl_module.parameters())
-            trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
-            if config.strategy == "ddp":
-                for p in pl_module.parameters():
-                    p.register_post_accumulate_grad_hook(on_grad)
-            wrapper = getattr(trainer.strategy, "wrapper", None)
-            if wrapper is not None:
-                wrapper.comm_wait_seconds = {}
-                self.wrapper = wrapper
-            self.snapshot()
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.mark("start")
+class ProbeHooks:
+    """Clock readings at five points of every step, counters, and memory, on this rank.
 
-        def on_train_end(self, trainer, pl_module) -> None:
-            if config.strategy == "ddp":  # buckets are rebuilt after the first step; read them at the end
-                self.ddp_bucket_bytes = _ddp_bucket_bytes(trainer.strategy.model) or 0
+    The hooks of a ``lightning.Callback``; :func:`run_worker` makes the callback class (Lightning is imported
+    only after the :class:`CommCounter` is installed)."""
 
-        def on_after_backward(self, trainer, pl_module) -> None:
-            if config.strategy == "ddp":
-                # DDP's reducer waits for its all-reduces inside backward, after the last
-                # gradient was accumulated: that tail is its exposed communication.
-                sync()
-                self.ddp_exposed_s += max(0.0, time.perf_counter() - last_grad[0])
+    def __init__(self, worker: Worker) -> None:
+        super().__init__()
+        self.worker = worker
+        self.marks: dict[str, list[dict[str, float]]] = {
+            e: [] for e in ("start", "grads", "clipped", "stepped", "end")}
+        self.counters: list[dict[str, float]] = []
+        self.losses: list[float] = []
+        self.ddp_exposed_s = 0.0
+        self.ddp_bucket_bytes = 0
+        self.state_bytes_peak = 0
+        self.param_bytes = 0
+        self.wrapper = None
 
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-            self.mark("grads")
+    def mark(self, event: str) -> None:
+        self.worker.sync()
+        self.marks[event].append({"wall": time.perf_counter(), "process": time.process_time()})
 
-        def _after_optimizer_step(self, optimizer, args_, kwargs_) -> None:
-            self.mark("stepped")
-            self.state_bytes_peak = max(self.state_bytes_peak, _optimizer_state_bytes(optimizer))
+    def on_train_start(self, trainer, pl_module) -> None:
+        if self.worker.cuda:  # here the rank's device is set; earlier would touch GPU 0 from every rank
+            torch.cuda.reset_peak_memory_stats()
+        self.param_bytes = _storage_bytes(_local(p) for p in pl_module.parameters())
+        trainer.optimizers[0].register_step_post_hook(self._after_optimizer_step)
+        if self.worker.config.strategy == "ddp":
+            for p in pl_module.parameters():
+                p.register_post_accumulate_grad_hook(self.worker.on_grad)
+        wrapper = getattr(trainer.strategy, "wrapper", None)
+        if wrapper is not None:
+            wrapper.comm_wait_seconds = {}
+            self.wrapper = wrapper
+        self.snapshot()
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.mark("end")
-            self.snapshot()
-            self.losses.append(float(outputs["loss"].detach()))
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.mark("start")
 
-        def snapshot(self) -> None:
-            waits = self.wrapper.comm_wait_seconds if self.wrapper is not None else {}
-            self.counters.append({
-                "ns_ms": 1e3 * ns_seconds[0],
-                "comm_blocked_ms": 1e3 * comm.blocked_s,
-                "ddp_exposed_ms": 1e3 * self.ddp_exposed_s,
-                "wrapper_wait_ms": 1e3 * sum(waits.values()),
-                "comm_bytes": float(sum(comm.bytes.values())),
-                "ring_bytes": comm.ring_bytes,
-                **{f"bytes_{k}": float(v) for k, v in comm.bytes.items()},
-                **{f"wait_ms_{k}": 1e3 * v for k, v in waits.items()},
-            })
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.worker.config.strategy == "ddp":  # buckets are rebuilt after the first step; read them at the end
+            self.ddp_bucket_bytes = _ddp_bucket_bytes(trainer.strategy.model) or 0
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if self.worker.config.strategy == "ddp":
+            # DDP's reducer waits for its all-reduces inside backward, after the last
+            # gradient was accumulated: that tail is its exposed communication.
+            self.worker.sync()
+            self.ddp_exposed_s += max(0.0, time.perf_counter() - self.worker.last_grad)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.mark("grads")
+
+    def _after_optimizer_step(self, optimizer, args_, kwargs_) -> None:
+        self.mark("stepped")
+        self.state_bytes_peak = max(self.state_bytes_peak, _optimizer_state_bytes(optimizer))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.mark("end")
+        self.snapshot()
+        self.losses.append(float(outputs["loss"].detach()))
+
+    def snapshot(self) -> None:
+        comm = self.worker.comm
+        waits = self.wrapper.comm_wait_seconds if self.wrapper is not None else {}
+        self.counters.append({
+            "ns_ms": 1e3 * self.worker.ns_seconds,
+            "comm_blocked_ms": 1e3 * comm.blocked_s,
+            "ddp_exposed_ms": 1e3 * self.ddp_exposed_s,
+            "wrapper_wait_ms": 1e3 * sum(waits.values()),
+            "comm_bytes": float(sum(comm.bytes.values())),
+            "ring_bytes": comm.ring_bytes,
+            **{f"bytes_{k}": float(v) for k, v in comm.bytes.items()},
+            **{f"wait_ms_{k}": 1e3 * v for k, v in waits.items()},
+        })
+
+
+def bench_module_class(worker: Worker, probe: ProbeHooks) -> type:
+    """The example GPT's LightningModule as every row trains it."""
+    from examples.module import GPTLightningModule
 
     class BenchGPT(GPTLightningModule):
         def configure_model(self) -> None:
             super().configure_model()
-            if config.strategy == "fsdp2":
+            if worker.config.strategy == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
                 mesh = self.device_mesh["data_parallel"]
@@ -496,7 +515,7 @@ def run_worker(args: argparse.Namespace) -> None:
                 fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
 
         def configure_optimizers(self):
-            return make_optimizer(self.model)
+            return make_optimizer(worker, self.model)
 
         def training_step(self, batch, batch_idx):
             # No logging, metrics or sync_dist: the steps differ only by strategy and optimizer.
@@ -510,51 +529,42 @@ def run_worker(args: argparse.Namespace) -> None:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
             probe.mark("clipped")
 
-    devices = int(args.devices)
-    steps = args.steps or size.steps
-    warmup = args.warmup or size.warmup
-    L.seed_everything(args.seed, verbose=False)
-    dm = CharDataModule(block_size=size.block_size, batch_size=size.batch_size, max_chars=args.max_chars,
-                        seed=args.seed)
-    model = BenchGPT(vocab_size=dm.vocab_size, n_layer=size.n_layer, n_head=size.n_head, n_embd=size.n_embd,
-                     block_size=size.block_size)
-    probe = Probe()
-    strategy: Any
-    if config.strategy == "layerwise":
-        strategy = llw.LayerwiseStrategy(bucket_size=size.bucket_size, overlap_param_gather=config.overlap)
-    elif config.strategy == "fsdp2":
+    return BenchGPT
+
+
+def make_strategy(worker: Worker, devices: int):
+    import lightning_layerwise as llw
+
+    if worker.config.strategy == "layerwise":
+        return llw.LayerwiseStrategy(bucket_size=worker.size.bucket_size, overlap_param_gather=worker.config.overlap)
+    if worker.config.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
-    else:
-        from lightning.pytorch.strategies import DDPStrategy
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        class HookedDDPStrategy(DDPStrategy):
-            # Lightning registers comm hooks on CUDA only; gloo runs them as well.
-            def _register_ddp_hooks(self) -> None:
-                self.model.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
+    class HookedDDPStrategy(DDPStrategy):
+        # Lightning registers comm hooks on CUDA only; gloo runs them as well.
+        def _register_ddp_hooks(self) -> None:
+            self.model.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
 
-        strategy = HookedDDPStrategy() if args.ddp_comm_hook else DDPStrategy()
-    trainer = L.Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=devices, strategy=strategy, precision=args.precision,
-        max_steps=warmup + steps, gradient_clip_val=args.gradient_clip_val or None,
-        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
-    )
-    trainer.fit(model, datamodule=dm)
+    return HookedDDPStrategy() if worker.args.ddp_comm_hook else DDPStrategy()
 
-    w = warmup
-    local: dict[str, Any] = {"rank": trainer.global_rank, "losses": probe.losses}
+
+def rank_result(worker: Worker, probe: ProbeHooks, rank: int, warmup: int, steps: int, devices: int) -> dict:
+    """This rank's per-step intervals and counters after the warm-up, its memory and losses."""
+    local: dict[str, Any] = {"rank": rank, "losses": probe.losses}
     for name, a, b, clock in INTERVALS:
         # Step k (k >= warmup) spans end[k-1] .. end[k]; the other intervals lie inside step k.
-        begin = probe.marks[a][w - 1:-1] if (a, b) == ("end", "end") else probe.marks[a][w:]
-        local[name + "_ms"] = [1e3 * (y[clock] - x[clock]) for x, y in zip(begin, probe.marks[b][w:])]
+        begin = probe.marks[a][warmup - 1:-1] if (a, b) == ("end", "end") else probe.marks[a][warmup:]
+        local[name + "_ms"] = [1e3 * (y[clock] - x[clock]) for x, y in zip(begin, probe.marks[b][warmup:])]
     # counters[0] is at train start, counters[k + 1] at the end of step k.
-    snaps = probe.counters[w:]
+    snaps = probe.counters[warmup:]
     keys = sorted({k for s in snaps for k in s})
     local["counters"] = counters = {k: [b.get(k, 0.0) - a.get(k, 0.0) for a, b in zip(snaps[:-1], snaps[1:])]
                                     for k in keys}
-    if config.strategy == "ddp" and not args.ddp_comm_hook:
+    if worker.config.strategy == "ddp" and not worker.args.ddp_comm_hook:
         # Note [DDP's bytes]: one all-reduce of every reducer bucket per step.
         bucket_bytes = probe.ddp_bucket_bytes
         ring = bucket_bytes * 2 * (devices - 1) / devices
@@ -565,8 +575,41 @@ def run_worker(args: argparse.Namespace) -> None:
         optimizer_state_bytes_peak=probe.state_bytes_peak,
         param_bytes=probe.param_bytes,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        cuda_max_allocated_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+        cuda_max_allocated_bytes=torch.cuda.max_memory_allocated() if worker.cuda else None,
     )
+    return local
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """One configuration on this rank (every rank of the run enters here); rank 0 writes every rank's result."""
+    if args.accelerator == "cpu":
+        # Before torch creates its thread pool; the env vars also reach the launched ranks.
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    worker = Worker(args, CommCounter().install())  # before lightning_layerwise binds its collectives
+    import lightning as L
+    import torch.distributed as dist
+
+    from examples.data import CharDataModule
+
+    if args.accelerator == "cpu":
+        torch.set_num_threads(args.threads)
+    worker.time_newton_schulz()
+    size, devices = worker.size, int(args.devices)
+    steps, warmup = args.steps or size.steps, args.warmup or size.warmup
+    L.seed_everything(args.seed, verbose=False)
+    dm = CharDataModule(block_size=size.block_size, batch_size=size.batch_size, max_chars=args.max_chars,
+                        seed=args.seed)
+    probe = type("Probe", (ProbeHooks, L.Callback), {})(worker)
+    model = bench_module_class(worker, probe)(vocab_size=dm.vocab_size, n_layer=size.n_layer, n_head=size.n_head,
+                                              n_embd=size.n_embd, block_size=size.block_size)
+    trainer = L.Trainer(
+        accelerator="gpu" if worker.cuda else "cpu", devices=devices, strategy=make_strategy(worker, devices),
+        precision=args.precision, max_steps=warmup + steps, gradient_clip_val=args.gradient_clip_val or None,
+        limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+    )
+    trainer.fit(model, datamodule=dm)
+    local = rank_result(worker, probe, trainer.global_rank, warmup, steps, devices)
     ranks = [local]
     if dist.is_available() and dist.is_initialized():
         ranks = [None] * dist.get_world_size()
@@ -671,26 +714,11 @@ def worker_command(args: argparse.Namespace, name: str, size: str, devices: int,
 
 def run_one(args: argparse.Namespace, name: str, size: str, devices: int, attempts: int = 2) -> dict:
     """One configuration in fresh processes; a run that leaves no result is tried once more."""
-    env = dict(os.environ)
-    if args.accelerator == "cpu":
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(args.threads)
-    env.pop("MASTER_PORT", None)  # Lightning picks a free port for every run
-    env["PYTHONWARNINGS"] = "ignore"
-    for attempt in range(1, attempts + 1):
-        with tempfile.TemporaryDirectory() as tmp:
-            result = os.path.join(tmp, "result.json")
-            t0 = time.perf_counter()
-            proc = subprocess.run(worker_command(args, name, size, devices, result), cwd=ROOT, env=env,
-                                  capture_output=True, text=True, timeout=args.timeout)
-            wall = time.perf_counter() - t0
-            if os.path.exists(result):
-                out = json.loads(Path(result).read_text())
-                out["process_wall_s"] = wall
-                out["exit_code"] = proc.returncode
-                return out
-        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        print(f"  {name}: attempt {attempt} failed with exit code {proc.returncode}", flush=True)
-    raise RuntimeError(f"{name} ({size}, {devices} ranks): worker failed {attempts} times; its output is above")
+    done = harness.run_script(lambda result: worker_command(args, name, size, devices, result),
+                              label=f"{name} ({size}, {devices} ranks)", env={"PYTHONWARNINGS": "ignore"},
+                              threads=args.threads if args.accelerator == "cpu" else None,
+                              timeout_s=args.timeout, attempts=attempts)
+    return {**done.result, "process_wall_s": done.wall_s, "exit_code": done.exit_code}
 
 
 def summarize_run(run: dict) -> dict:
@@ -701,11 +729,11 @@ def summarize_run(run: dict) -> dict:
     for name, *_ in INTERVALS:
         # A step ends when the slowest rank ends it: the maximum over ranks, step by step.
         per_step = [max(values) for values in zip(*(r[name + "_ms"] for r in ranks))]
-        out[name + "_ms"] = statistics.median(per_step)
+        out[name + "_ms"] = harness.median_of(per_step)
         out[name + "_ms_steps"] = per_step
     keys = sorted({k for r in ranks for k in r["counters"]})
     for key in keys:
-        per_rank = [statistics.median(r["counters"][key]) if r["counters"].get(key) else 0.0 for r in ranks]
+        per_rank = [harness.median_of(r["counters"][key]) if r["counters"].get(key) else 0.0 for r in ranks]
         out[key] = max(per_rank)  # bytes are the same on every rank; times: the slowest rank
         out[key + "_per_rank"] = per_rank
     losses = [statistics.fmean(values) for values in zip(*(r["losses"] for r in ranks))]
@@ -739,14 +767,14 @@ def aggregate(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         row: dict[str, Any] = {}
         for key, *_ in INTERVALS:
             values = [r[key + "_ms"] for r in rs]
-            row[key + "_ms_median"] = statistics.median(values)
+            row[key + "_ms_median"] = harness.median_of(values)
             row[key + "_ms_runs"] = values
         for key in ("ns_ms", "comm_bytes", "ring_bytes", "comm_blocked_ms", "ddp_exposed_ms", "wrapper_wait_ms"):
-            row[key + "_median"] = statistics.median(r.get(key, 0.0) for r in rs)
-        row["exposed_comm_ms_median"] = statistics.median(exposed_comm_ms(r, strategy) for r in rs)
+            row[key + "_median"] = harness.median_of(r.get(key, 0.0) for r in rs)
+        row["exposed_comm_ms_median"] = harness.median_of(exposed_comm_ms(r, strategy) for r in rs)
         row["comm_bytes_by_kind"] = {k[len("bytes_"):]: v for k, v in rs[0].items()
                                      if k.startswith("bytes_") and not k.endswith("_per_rank")}
-        row["wrapper_wait_ms_by_kind"] = {k[len("wait_ms_"):]: statistics.median(r.get(k, 0.0) for r in rs)
+        row["wrapper_wait_ms_by_kind"] = {k[len("wait_ms_"):]: harness.median_of(r.get(k, 0.0) for r in rs)
                                           for k in rs[0] if k.startswith("wait_ms_") and not k.endswith("_per_rank")}
         row["tokens_per_s_median"] = tokens_per_step / (row["step_ms_median"] / 1e3)
         row["ns_share"] = row["ns_ms_median"] / row["step_ms_median"]
@@ -758,11 +786,11 @@ def aggregate(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
             state_bytes_max_per_rank=max(state),
             state_bytes_sum=sum(state),
             param_bytes_per_rank=first["param_bytes_per_rank"],
-            peak_rss_bytes_per_rank_median=statistics.median(r["peak_rss_bytes_per_rank"] for r in rs),
+            peak_rss_bytes_per_rank_median=harness.median_of(r["peak_rss_bytes_per_rank"] for r in rs),
             cuda_max_allocated_bytes_per_rank=first["cuda_max_allocated_bytes_per_rank"],
-            final_loss_median=statistics.median(r["final_loss"] for r in rs),
+            final_loss_median=harness.median_of(r["final_loss"] for r in rs),
             final_loss_runs=[r["final_loss"] for r in rs],
-            late_loss_median=statistics.median(r["late_loss"] for r in rs),
+            late_loss_median=harness.median_of(r["late_loss"] for r in rs),
             losses_run0=first["losses"],
             process_wall_s_runs=[r["process_wall_s"] for r in rs],
             exit_codes=[r["exit_code"] for r in rs],
@@ -817,8 +845,8 @@ def check_targets(cell: dict) -> list[dict]:
 # ---------------------------------------------------------------------------------------
 
 
-def _fmt(value: float | None, spec: str, empty: str = "–") -> str:
-    return empty if value is None else format(value, spec)
+def _fmt(value: float | None, spec: str) -> str:
+    return harness.fmt(value, spec, empty="–")
 
 
 def cell_title(cell: dict) -> str:
@@ -826,6 +854,44 @@ def cell_title(cell: dict) -> str:
     return (f"{cell['size']}, {cell['devices']} rank{'s' if cell['devices'] > 1 else ''}: GPT n_layer={m['n_layer']} "
             f"n_embd={m['n_embd']} ({m['n_params'] / 1e6:.2f} M params), batch {m['batch_size']} x "
             f"{m['block_size']} per rank, {m['steps']} timed steps after {m['warmup']}")
+
+
+def _target_cells(x: dict) -> list[str]:
+    big = x["value"] > 100
+    value = f"{x['value'] / 1024:.0f} KiB" if big else f"{x['value']:.3f}"
+    limit = f"{x['limit'] / 1024:.0f} KiB" if big else f"{x['limit']:.2f}"
+    note = f" ({x['note']})" if x["note"] else ""
+    met = ("yes" if x["met"] else "**no**") if x.get("applies", True) else "n/a (NS share < 1/3)"
+    return [x["cell"], f"{x['target']}{note}", value, limit, met]
+
+
+TIME_HEADER = ["configuration", "step", "×ddp_adamw", "×replicated", "tokens/s", "step CPU", "fwd+bwd", "clip", "opt",
+               "NS", "NS share", "exposed comm"]
+
+
+def _time_cells(name: str, r: dict) -> list[str]:
+    return [f"`{name}`", f"{r['step_ms_median']:.1f}", _fmt(r.get("step_ratio_baseline"), ".2f"),
+            _fmt(r.get("step_ratio_replicated"), ".2f"), f"{r['tokens_per_s_median']:,.0f}",
+            f"{r['step_cpu_ms_median']:.1f}", f"{r['fwd_bwd_ms_median']:.1f}", f"{r['clip_ms_median']:.2f}",
+            f"{r['opt_ms_median']:.2f}", f"{r['ns_ms_median']:.1f}", f"{r['ns_share']:.2f}",
+            f"{r['exposed_comm_ms_median']:.2f}"]
+
+
+def _memory_header(accelerator: str) -> list[str]:
+    return ["configuration", "optimizer state KiB/rank (per rank)", "×replicated", "params KiB/rank",
+            f"peak {'CUDA' if accelerator == 'gpu' else 'RSS'} MiB/rank", "communicated KiB/step", "ring KiB/step",
+            "final loss", "mean of last 10", "max \\|Δloss\\| vs replicated"]
+
+
+def _memory_cells(name: str, r: dict) -> list[str]:
+    per_rank = " / ".join(f"{b / 1024:.0f}" for b in r["state_bytes_per_rank"])
+    kinds = ", ".join(f"{k} {v / 1024:.0f}" for k, v in sorted(r["comm_bytes_by_kind"].items()) if v)
+    mem = r["cuda_max_allocated_bytes_per_rank"] or r["peak_rss_bytes_per_rank_median"]
+    return [f"`{name}`", f"{r['state_bytes_max_per_rank'] / 1024:.0f} ({per_rank})",
+            _fmt(r.get("state_ratio_replicated"), ".3f"), f"{r['param_bytes_per_rank'] / 1024:.0f}",
+            f"{mem / 2**20:.0f}", f"{r['comm_bytes_median'] / 1024:.0f}{f' ({kinds})' if kinds else ''}",
+            f"{r['ring_bytes_median'] / 1024:.0f}", f"{r['final_loss_median']:.4f}", f"{r['late_loss_median']:.4f}",
+            _fmt(r.get("max_abs_loss_diff_replicated"), ".1e")]
 
 
 def markdown_report(data: dict) -> str:
@@ -844,15 +910,8 @@ def markdown_report(data: dict) -> str:
     ]
     targets = [dict(x, cell=f"{c['size']}, {c['devices']} ranks") for c in data["cells"] for x in c.get("targets", [])]
     if targets:
-        lines += ["## Targets", "", "| size, ranks | target | measured | limit | met |", "|---|---|---|---|---|"]
-        for x in targets:
-            big = x["value"] > 100
-            value = f"{x['value'] / 1024:.0f} KiB" if big else f"{x['value']:.3f}"
-            limit = f"{x['limit'] / 1024:.0f} KiB" if big else f"{x['limit']:.2f}"
-            note = f" ({x['note']})" if x["note"] else ""
-            met = ("yes" if x["met"] else "**no**") if x.get("applies", True) else "n/a (NS share < 1/3)"
-            lines.append(f"| {x['cell']} | {x['target']}{note} | {value} | {limit} | {met} |")
-        lines.append("")
+        lines += ["## Targets", "", harness.markdown_table(["size, ranks", "target", "measured", "limit", "met"],
+                                                           map(_target_cells, targets)), ""]
     for cell in data["cells"]:
         t = cell["results"]
         lines += [f"## {cell_title(cell)}", "",
@@ -860,34 +919,12 @@ def markdown_report(data: dict) -> str:
                   "`ddp_adamw` and of the row's replicated peer (`ddp_adamw` for AdamW rows, `ddp_muon` for "
                   "Muon rows). NS: Newton-Schulz inside the optimizer step. Exposed comm: time blocked "
                   "waiting for communication.", "",
-                  "| configuration | step | ×ddp_adamw | ×replicated | tokens/s | step CPU | fwd+bwd | clip | opt "
-                  "| NS | NS share | exposed comm |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for name, r in t.items():
-            lines.append(
-                f"| `{name}` | {r['step_ms_median']:.1f} | {_fmt(r.get('step_ratio_baseline'), '.2f')} | "
-                f"{_fmt(r.get('step_ratio_replicated'), '.2f')} | {r['tokens_per_s_median']:,.0f} | "
-                f"{r['step_cpu_ms_median']:.1f} | {r['fwd_bwd_ms_median']:.1f} | {r['clip_ms_median']:.2f} | "
-                f"{r['opt_ms_median']:.2f} | {r['ns_ms_median']:.1f} | {r['ns_share']:.2f} | "
-                f"{r['exposed_comm_ms_median']:.2f} |")
-        lines += ["", "Memory per rank, communication per step and loss. Optimizer state: the largest rank's "
+                  harness.markdown_table(TIME_HEADER, [_time_cells(name, r) for name, r in t.items()]), "",
+                  "Memory per rank, communication per step and loss. Optimizer state: the largest rank's "
                   "(×replicated: divided by the peer's). Communicated: bytes handed to collectives per rank "
                   "per step, by collective; ring: what one rank sends with ring algorithms.", "",
-                  "| configuration | optimizer state KiB/rank (per rank) | ×replicated | params KiB/rank | "
-                  f"peak {'CUDA' if data['meta']['accelerator'] == 'gpu' else 'RSS'} MiB/rank | communicated "
-                  "KiB/step | ring KiB/step | final loss | mean of last 10 | max \\|Δloss\\| vs replicated |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
-        for name, r in t.items():
-            per_rank = " / ".join(f"{b / 1024:.0f}" for b in r["state_bytes_per_rank"])
-            kinds = ", ".join(f"{k} {v / 1024:.0f}" for k, v in sorted(r["comm_bytes_by_kind"].items()) if v)
-            mem = r["cuda_max_allocated_bytes_per_rank"] or r["peak_rss_bytes_per_rank_median"]
-            lines.append(
-                f"| `{name}` | {r['state_bytes_max_per_rank'] / 1024:.0f} ({per_rank}) | "
-                f"{_fmt(r.get('state_ratio_replicated'), '.3f')} | {r['param_bytes_per_rank'] / 1024:.0f} | "
-                f"{mem / 2**20:.0f} | {r['comm_bytes_median'] / 1024:.0f}{f' ({kinds})' if kinds else ''} | "
-                f"{r['ring_bytes_median'] / 1024:.0f} | {r['final_loss_median']:.4f} | {r['late_loss_median']:.4f} | "
-                f"{_fmt(r.get('max_abs_loss_diff_replicated'), '.1e')} |")
-        lines.append("")
+                  harness.markdown_table(_memory_header(meta["accelerator"]),
+                                         [_memory_cells(name, r) for name, r in t.items()]), ""]
     plots = data.get("plots") or []
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
@@ -899,30 +936,20 @@ def report_stem(data: dict) -> str:
     return Path(data["meta"].get("json") or f"strategies_{data['meta']['accelerator']}.json").stem
 
 
-def make_plots(data: dict, docs_dir: Path) -> list[str]:
-    """Step time (with tokens/s and ratios), memory and communication, loss curves: one PNG each."""
-    import matplotlib
+def _grid(plt, n: int, height: float):
+    cols = 2 if n > 1 else 1
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, height * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    acc = data["meta"]["accelerator"]
-    stem = report_stem(data)
-    cells = data["cells"]
-    paths = []
+def _plot_time(plt, cells: list[dict], accelerator: str, path: Path) -> str:
+    """Step time, stacked by phase, with tokens/s and the ratios."""
     phases = (("fwd+bwd", "fwd_bwd_ms_median", "#4c72b0"), ("clip", "clip_ms_median", "#dd8452"),
               ("optimizer", "opt_ms_median", "#55a868"))
-
-    def grid(n: int, height: float):
-        cols = 2 if n > 1 else 1
-        rows = (n + cols - 1) // cols
-        fig, axes = plt.subplots(rows, cols, figsize=(7.5 * cols, height * rows), squeeze=False)
-        for ax in axes.flat[n:]:
-            ax.axis("off")
-        return fig, list(axes.flat)
-
-    # Step time, stacked by phase, with tokens/s and the ratios.
-    fig, axes = grid(len(cells), 0.42 * max(len(c["results"]) for c in cells) + 1.6)
+    fig, axes = _grid(plt, len(cells), 0.42 * max(len(c["results"]) for c in cells) + 1.6)
     for ax, cell in zip(axes, cells):
         names = list(cell["results"])[::-1]
         rows = [cell["results"][n] for n in names]
@@ -947,54 +974,54 @@ def make_plots(data: dict, docs_dir: Path) -> list[str]:
         ax.tick_params(axis="y", labelsize=8)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4)
-    fig.suptitle(f"Step time on {acc.upper()}, median (×: step time divided by the named row's)", fontsize=11)
+    fig.suptitle(f"Step time on {accelerator.upper()}, median (×: step time divided by the named row's)", fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    paths.append(_save(fig, docs_dir / f"{stem}_time.png"))
+    return str(harness.save_figure(fig, path))
 
-    # Memory and communication per rank.
-    multi = [c for c in cells if c["devices"] > 1] or cells
-    fig, axes = plt.subplots(len(multi), 2, figsize=(15, (0.42 * max(len(c["results"]) for c in multi) + 1.6)
-                                                    * len(multi)), squeeze=False)
-    for (ax_mem, ax_comm), cell in zip(axes, multi):
-        names = list(cell["results"])[::-1]
-        rows = [cell["results"][n] for n in names]
-        state = [r["state_bytes_max_per_rank"] / 2**20 for r in rows]
-        params = [r["param_bytes_per_rank"] / 2**20 for r in rows]
-        ax_mem.barh(names, params, color="#8172b3", label="parameters")
-        ax_mem.barh(names, state, left=params, color="#55a868", label="optimizer state")
-        top = max(a + b for a, b in zip(state, params))
-        for i, r in enumerate(rows):
-            mem = r["cuda_max_allocated_bytes_per_rank"] or r["peak_rss_bytes_per_rank_median"]
-            text = f"state {state[i]:.2f} MiB"
-            if "state_ratio_replicated" in r:
-                text += f" (×{r['state_ratio_replicated']:.2f})"
-            text += f"; peak {'CUDA' if acc == 'gpu' else 'RSS'} {mem / 2**20:.0f} MiB"
-            ax_mem.text(state[i] + params[i] + top * 0.01, i, text, va="center", fontsize=8)
-        ax_mem.set_xlim(0, top * 2.1)
-        ax_mem.set_xlabel("MiB per rank (largest rank)")
-        ax_mem.set_title(f"memory: {cell['size']}, {cell['devices']} ranks", fontsize=10)
-        ax_mem.legend(fontsize=7, loc="lower right")
-        kinds = sorted({k for r in rows for k, v in r["comm_bytes_by_kind"].items() if v})
-        left = [0.0] * len(rows)
-        for kind, color in zip(kinds, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")):
-            widths = [r["comm_bytes_by_kind"].get(kind, 0) / 2**20 for r in rows]
-            ax_comm.barh(names, widths, left=left, color=color, label=kind)
-            left = [a + b for a, b in zip(left, widths)]
-        top = max(left) or 1.0
-        for i, r in enumerate(rows):
-            ax_comm.text(left[i] + top * 0.01, i, f"{left[i]:.1f} MiB, exposed {r['exposed_comm_ms_median']:.1f} ms",
-                         va="center", fontsize=8)
-        ax_comm.set_xlim(0, top * 1.7)
-        ax_comm.set_xlabel("MiB handed to collectives per rank per step")
-        ax_comm.set_title(f"communication: {cell['size']}, {cell['devices']} ranks", fontsize=10)
-        ax_comm.legend(fontsize=7, loc="upper right")
-        for ax in (ax_mem, ax_comm):
-            ax.tick_params(axis="y", labelsize=8)
-    fig.tight_layout()
-    paths.append(_save(fig, docs_dir / f"{stem}_memory_comm.png"))
 
-    # Loss per step (run 0 of each configuration).
-    fig, axes = grid(len(multi), 3.6)
+def _plot_memory(ax, cell: dict, accelerator: str) -> None:
+    names = list(cell["results"])[::-1]
+    rows = [cell["results"][n] for n in names]
+    state = [r["state_bytes_max_per_rank"] / 2**20 for r in rows]
+    params = [r["param_bytes_per_rank"] / 2**20 for r in rows]
+    ax.barh(names, params, color="#8172b3", label="parameters")
+    ax.barh(names, state, left=params, color="#55a868", label="optimizer state")
+    top = max(a + b for a, b in zip(state, params))
+    for i, r in enumerate(rows):
+        mem = r["cuda_max_allocated_bytes_per_rank"] or r["peak_rss_bytes_per_rank_median"]
+        text = f"state {state[i]:.2f} MiB"
+        if "state_ratio_replicated" in r:
+            text += f" (×{r['state_ratio_replicated']:.2f})"
+        text += f"; peak {'CUDA' if accelerator == 'gpu' else 'RSS'} {mem / 2**20:.0f} MiB"
+        ax.text(state[i] + params[i] + top * 0.01, i, text, va="center", fontsize=8)
+    ax.set_xlim(0, top * 2.1)
+    ax.set_xlabel("MiB per rank (largest rank)")
+    ax.set_title(f"memory: {cell['size']}, {cell['devices']} ranks", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+
+
+def _plot_comm(ax, cell: dict) -> None:
+    names = list(cell["results"])[::-1]
+    rows = [cell["results"][n] for n in names]
+    kinds = sorted({k for r in rows for k, v in r["comm_bytes_by_kind"].items() if v})
+    left = [0.0] * len(rows)
+    for kind, color in zip(kinds, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")):
+        widths = [r["comm_bytes_by_kind"].get(kind, 0) / 2**20 for r in rows]
+        ax.barh(names, widths, left=left, color=color, label=kind)
+        left = [a + b for a, b in zip(left, widths)]
+    top = max(left) or 1.0
+    for i, r in enumerate(rows):
+        ax.text(left[i] + top * 0.01, i, f"{left[i]:.1f} MiB, exposed {r['exposed_comm_ms_median']:.1f} ms",
+                va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.7)
+    ax.set_xlabel("MiB handed to collectives per rank per step")
+    ax.set_title(f"communication: {cell['size']}, {cell['devices']} ranks", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
+
+
+def _plot_loss(plt, multi: list[dict], path: Path) -> str:
+    """Loss per step (run 0 of each configuration)."""
+    fig, axes = _grid(plt, len(multi), 3.6)
     for ax, cell in zip(axes, multi):
         names = list(cell["results"])
         for name, r in cell["results"].items():
@@ -1010,15 +1037,30 @@ def make_plots(data: dict, docs_dir: Path) -> list[str]:
         ax.set_title(f"{cell['size']}, {cell['devices']} ranks (first run of each configuration)", fontsize=10)
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    paths.append(_save(fig, docs_dir / f"{stem}_loss.png"))
+    return str(harness.save_figure(fig, path))
+
+
+def make_plots(data: dict, docs_dir: Path) -> list[str]:
+    """Step time (with tokens/s and ratios), memory and communication, loss curves: one PNG each."""
+    plt = harness.pyplot()
+    acc = data["meta"]["accelerator"]
+    stem = report_stem(data)
+    cells = data["cells"]
+    paths = [_plot_time(plt, cells, acc, docs_dir / f"{stem}_time.png")]
+    # Memory and communication per rank.
+    multi = [c for c in cells if c["devices"] > 1] or cells
+    fig, axes = plt.subplots(len(multi), 2, figsize=(15, (0.42 * max(len(c["results"]) for c in multi) + 1.6)
+                                                    * len(multi)), squeeze=False)
+    for (ax_mem, ax_comm), cell in zip(axes, multi):
+        _plot_memory(ax_mem, cell, acc)
+        _plot_comm(ax_comm, cell)
+        for ax in (ax_mem, ax_comm):
+            ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    paths.append(str(harness.save_figure(fig, docs_dir / f"{stem}_memory_comm.png")))
+    paths.append(_plot_loss(plt, multi, docs_dir / f"{stem}_loss.png"))
     plt.close("all")
     return paths
-
-
-def _save(fig, path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    return str(path)
 
 
 def write_report(data: dict, docs_dir: Path, plots: bool = True) -> Path:
@@ -1030,30 +1072,25 @@ def write_report(data: dict, docs_dir: Path, plots: bool = True) -> Path:
     return md
 
 
+SUMMARY_COLUMNS = (
+    harness.Column("config", 27, align="<"), harness.Column("step ms", 8, ".1f"), harness.Column("×base", 6, ".2f"),
+    harness.Column("×repl", 6, ".2f"), harness.Column("tok/s", 8, ".0f"), harness.Column("fwd+bwd", 8, ".1f"),
+    harness.Column("opt", 7, ".2f"), harness.Column("NS", 6, ".1f"), harness.Column("exposed", 7, ".2f"),
+    harness.Column("KiB/step", 9, ".0f"), harness.Column("state KiB", 9, ".0f"), harness.Column("loss", 7, ".4f"),
+)
+
+
 def print_summary(data: dict) -> None:
     for cell in data["cells"]:
         print(f"\n{cell_title(cell)}")
-        print(f"{'config':27} {'step ms':>8} {'×base':>6} {'×repl':>6} {'tok/s':>8} {'fwd+bwd':>8} {'opt':>7} "
-              f"{'NS':>6} {'exposed':>7} {'KiB/step':>9} {'state KiB':>9} {'loss':>7}")
-        for name, r in cell["results"].items():
-            print(f"{name:27} {r['step_ms_median']:8.1f} {_fmt(r.get('step_ratio_baseline'), '6.2f'):>6} "
-                  f"{_fmt(r.get('step_ratio_replicated'), '6.2f'):>6} {r['tokens_per_s_median']:8.0f} "
-                  f"{r['fwd_bwd_ms_median']:8.1f} {r['opt_ms_median']:7.2f} {r['ns_ms_median']:6.1f} "
-                  f"{r['exposed_comm_ms_median']:7.2f} {r['comm_bytes_median'] / 1024:9.0f} "
-                  f"{r['state_bytes_max_per_rank'] / 1024:9.0f} {r['final_loss_median']:7.4f}")
+        print(harness.fixed_width(SUMMARY_COLUMNS, [
+            [name, r["step_ms_median"], r.get("step_ratio_baseline"), r.get("step_ratio_replicated"),
+             r["tokens_per_s_median"], r["fwd_bwd_ms_median"], r["opt_ms_median"], r["ns_ms_median"],
+             r["exposed_comm_ms_median"], r["comm_bytes_median"] / 1024, r["state_bytes_max_per_rank"] / 1024,
+             r["final_loss_median"]] for name, r in cell["results"].items()], empty="–"))
         for x in cell.get("targets", []):
             verdict = ("met" if x["met"] else "MISSED") if x.get("applies", True) else "does not apply"
             print(f"  target {x['target']}: {x['value']:.3f} (limit {x['limit']:.3f}) {verdict} {x['note']}")
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def count_params(size: Size, vocab_size: int) -> int:
@@ -1123,7 +1160,6 @@ def profile_hooks(size_name: str, steps: int = 15) -> None:
     import pstats
 
     torch.set_num_threads(1)
-    sys.path.insert(0, str(ROOT))
     import lightning_layerwise as llw
     from examples.gpt import GPT, GPTConfig
 
@@ -1167,6 +1203,83 @@ def profile_hooks(size_name: str, steps: int = 15) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(12)
 
 
+def plan_cells(args: argparse.Namespace) -> list[dict]:
+    """The (size, rank count) cells of the matrix, each with the configurations that run in it."""
+    sizes = parse_list(args.sizes or ("tiny,wide" if args.accelerator == "cpu" else "gpt2-small"), SIZES, "sizes")
+    names = parse_list(args.configs, CONFIGS, "configs")
+    try:
+        device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
+    except ValueError:
+        device_counts = []
+    if not device_counts or min(device_counts) < 1:
+        raise ValueError(f"--devices {args.devices!r}: pass rank counts >= 1, e.g. --devices 1,2.")
+    if (args.warmup is not None and args.warmup < 1) or (args.steps is not None and args.steps < 2):
+        raise ValueError(f"--warmup {args.warmup} --steps {args.steps}: need warmup >= 1 and steps >= 2.")
+
+    def runs_at(name: str, devices: int) -> bool:
+        config = CONFIGS[name]
+        return devices >= config.min_devices and (devices > 1 or config.one_rank)
+
+    return [{"size": s, "devices": d, "configs": [n for n in names if runs_at(n, d)]}
+            for s in sizes for d in device_counts]
+
+
+def run_matrix(args: argparse.Namespace, cells: list[dict]) -> dict[tuple[str, int], dict[str, list[dict]]]:
+    """Every run of every cell, ``--repeats`` times, interleaved round-robin (the order rotates every repeat)."""
+    runs = {(c["size"], c["devices"]): {n: [] for n in c["configs"]} for c in cells}
+    total = sum(len(c["configs"]) for c in cells) * args.repeats
+    done = 0
+    for rep in range(args.repeats):
+        for cell in cells:
+            for name in harness.rotated(cell["configs"], rep):
+                run = summarize_run(run_one(args, name, cell["size"], cell["devices"]))
+                runs[(cell["size"], cell["devices"])][name].append(run)
+                done += 1
+                print(f"[{done}/{total}] {cell['size']:5} x{cell['devices']} {name:27} step {run['step_ms']:7.1f} ms "
+                      f"fwd+bwd {run['fwd_bwd_ms']:7.1f} opt {run['opt_ms']:7.2f} NS {run.get('ns_ms', 0):6.1f} "
+                      f"loss {run['final_loss']:.4f} [{run['process_wall_s']:.0f} s, load "
+                      f"{os.getloadavg()[0]:.1f}]", flush=True)
+    return runs
+
+
+def result_cells(args: argparse.Namespace, cells: list[dict], runs: dict) -> list[dict]:
+    """Each cell's model, aggregated results and targets."""
+    from examples.data import CharDataModule
+
+    vocab = CharDataModule(max_chars=args.max_chars).vocab_size
+    out_cells = []
+    for cell in cells:
+        size = SIZES[cell["size"]]
+        model = dict(asdict(size), n_params=count_params(size, vocab), vocab_size=vocab)
+        model["steps"] = args.steps or size.steps
+        model["warmup"] = args.warmup or size.warmup
+        tokens = cell["devices"] * size.batch_size * size.block_size
+        out = {"size": cell["size"], "devices": cell["devices"], "model": model,
+               "results": aggregate(runs[(cell["size"], cell["devices"])], tokens)}
+        out["targets"] = check_targets(out)
+        out_cells.append(out)
+    return out_cells
+
+
+def run_meta(args: argparse.Namespace, argv: list[str] | None, clock: harness.Clock, out_path: Path) -> dict:
+    """The machine, the command and the settings of a matrix run."""
+    return {
+        "accelerator": args.accelerator,
+        "backend": "gloo" if args.accelerator == "cpu" else "nccl",
+        "device_name": (torch.cuda.get_device_name() if args.accelerator == "gpu" and torch.cuda.is_available()
+                        else harness.cpu_model()),
+        "cpu_count": os.cpu_count(),
+        "threads_per_rank": args.threads if args.accelerator == "cpu" else None,
+        "load_avg_start": clock.load_at_start,
+        "load_avg_end": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "total_wall_s": clock.elapsed_s(),
+        "command": "python benchmarks/bench_strategies.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "json": os.path.relpath(out_path.resolve(), ROOT) if out_path.resolve().is_relative_to(ROOT) else str(out_path),
+        **{k: v for k, v in vars(args).items() if not k.startswith("_")},
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.accelerator == "cuda":
@@ -1185,78 +1298,16 @@ def main(argv: list[str] | None = None) -> None:
         data = json.loads(Path(args.from_json).read_text())
         print(f"wrote {write_report(data, docs_dir, plots=not args.no_plots)}")
         return
-    sizes = parse_list(args.sizes or ("tiny,wide" if args.accelerator == "cpu" else "gpt2-small"), SIZES, "sizes")
-    names = parse_list(args.configs, CONFIGS, "configs")
-    try:
-        device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
-    except ValueError:
-        device_counts = []
-    if not device_counts or min(device_counts) < 1:
-        raise ValueError(f"--devices {args.devices!r}: pass rank counts >= 1, e.g. --devices 1,2.")
-    if (args.warmup is not None and args.warmup < 1) or (args.steps is not None and args.steps < 2):
-        raise ValueError(f"--warmup {args.warmup} --steps {args.steps}: need warmup >= 1 and steps >= 2.")
-
-    def runs_at(name: str, devices: int) -> bool:
-        config = CONFIGS[name]
-        return devices >= config.min_devices and (devices > 1 or config.one_rank)
-
-    cells = [{"size": s, "devices": d, "configs": [n for n in names if runs_at(n, d)]}
-             for s in sizes for d in device_counts]
-    runs = {(c["size"], c["devices"]): {n: [] for n in c["configs"]} for c in cells}
-    t_start = time.perf_counter()
-    load_start = os.getloadavg()
-    total = sum(len(c["configs"]) for c in cells) * args.repeats
-    done = 0
-    for rep in range(args.repeats):
-        for cell in cells:
-            order = cell["configs"][rep % len(cell["configs"]):] + cell["configs"][:rep % len(cell["configs"])]
-            for name in order:
-                run = summarize_run(run_one(args, name, cell["size"], cell["devices"]))
-                runs[(cell["size"], cell["devices"])][name].append(run)
-                done += 1
-                print(f"[{done}/{total}] {cell['size']:5} x{cell['devices']} {name:27} step {run['step_ms']:7.1f} ms "
-                      f"fwd+bwd {run['fwd_bwd_ms']:7.1f} opt {run['opt_ms']:7.2f} NS {run.get('ns_ms', 0):6.1f} "
-                      f"loss {run['final_loss']:.4f} [{run['process_wall_s']:.0f} s, load "
-                      f"{os.getloadavg()[0]:.1f}]", flush=True)
-
-
-    sys.path.insert(0, str(ROOT))
-    from examples.data import CharDataModule
-
-    vocab = CharDataModule(max_chars=args.max_chars).vocab_size
-    out_cells = []
-    for cell in cells:
-        size = SIZES[cell["size"]]
-        model = dict(asdict(size), n_params=count_params(size, vocab), vocab_size=vocab)
-        model["steps"] = args.steps or size.steps
-        model["warmup"] = args.warmup or size.warmup
-        tokens = cell["devices"] * size.batch_size * size.block_size
-        out = {"size": cell["size"], "devices": cell["devices"], "model": model,
-               "results": aggregate(runs[(cell["size"], cell["devices"])], tokens)}
-        out["targets"] = check_targets(out)
-        out_cells.append(out)
+    cells = plan_cells(args)
+    clock = harness.Clock()
+    runs = run_matrix(args, cells)
+    out_cells = result_cells(args, cells, runs)
     out_path = Path(args.out) if args.out else RESULTS / f"strategies_{args.accelerator}.json"
-    meta = {
-        "accelerator": args.accelerator,
-        "backend": "gloo" if args.accelerator == "cpu" else "nccl",
-        "device_name": (torch.cuda.get_device_name() if args.accelerator == "gpu" and torch.cuda.is_available()
-                        else cpu_name()),
-        "cpu_count": os.cpu_count(),
-        "threads_per_rank": args.threads if args.accelerator == "cpu" else None,
-        "load_avg_start": list(load_start),
-        "load_avg_end": list(os.getloadavg()),
-        "torch": torch.__version__,
-        "total_wall_s": time.perf_counter() - t_start,
-        "command": "python benchmarks/bench_strategies.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "json": os.path.relpath(out_path.resolve(), ROOT) if out_path.resolve().is_relative_to(ROOT) else str(out_path),
-        **{k: v for k, v in vars(args).items() if not k.startswith("_")},
-    }
-    data = {"meta": meta, "cells": out_cells}
+    data = {"meta": run_meta(args, argv, clock, out_path), "cells": out_cells}
     print_summary(data)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     md = write_report(data, docs_dir, plots=not args.no_plots)
-    out_path.write_text(json.dumps(data, indent=1))
-    print(f"wrote {out_path} and {md} ({meta['total_wall_s']:.0f} s in all)")
+    harness.write_json(out_path, data)
+    print(f"wrote {out_path} and {md} ({data['meta']['total_wall_s']:.0f} s in all)")
 
 
 if __name__ == "__main__":

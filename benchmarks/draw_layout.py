@@ -11,7 +11,7 @@ with bias and a norm. Parameters are routed as ``lightning_layerwise.Muon`` rout
 them: matrices of the blocks whole (Muon), embeddings, biases and norm weights
 element-wise (AdamW), planned at ``dp`` ranks with element-wise fill and, for
 comparison, without it. With ``--replicas R`` the layout is planned for owner groups of
-``dp`` ranks and shared among ``R`` of them (Note [replica sharing] in ``layout.py``):
+``dp`` ranks and shared among ``R`` of them (Note [replica sharing] in ``layout/sharing.py``):
 the picture shows, for every rank of the world, the chunk of its shard it steps, and the
 text lists who orthogonalizes which matrix and who holds which optimizer state.
 """
@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import harness  # noqa: E402
 from lightning_layerwise.layout import Layout, ParamSpec, plan_layout  # noqa: E402
 
 MUON_STATE, ADAMW_STATE = 1, 2  # float32 tensors per element: Muon's momentum; AdamW's two moments
@@ -108,11 +109,7 @@ def sharing_text(layout: Layout, specs: list[ParamSpec]) -> str:
 def draw_sharing(layout: Layout, path: Path) -> None:
     """One row per rank of the world: its shard of every bucket (grey: held, all-gathered from the other
     replicas), and in colour the chunk it steps (the parameters it orthogonalizes or updates)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     g, R = layout.dp, layout.replicas
     names = sorted(layout.params)
     cmap = plt.get_cmap("tab20")
@@ -144,16 +141,11 @@ def draw_sharing(layout: Layout, path: Path) -> None:
     ax.set_xlabel("offset in the buffer (elements); black lines end buckets; hatched: a piece of a split parameter",
                   fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def draw(layouts: list[tuple[str, Layout]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     names = sorted({n for _, lay in layouts for n in lay.params})
     cmap = plt.get_cmap("tab20")
     color = {n: cmap(i % 20) for i, n in enumerate(names)}
@@ -178,8 +170,7 @@ def draw(layouts: list[tuple[str, Layout]], path: Path) -> None:
         ax.set_xlabel("offset in the buffer (elements); black lines end buckets; hatched: a piece of a split parameter",
                       fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:

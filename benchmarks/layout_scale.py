@@ -41,10 +41,7 @@ Writes ``benchmarks/results/layout_scale.json``, the table into
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,6 +49,7 @@ from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks import harness  # noqa: E402
 from benchmarks.model_shapes import MODELS, ModelShapes, model_shapes  # noqa: E402
 from lightning_layerwise.layout import (  # noqa: E402
     DEFAULT_BUCKET_SIZE,
@@ -69,8 +67,8 @@ PLANNING_TARGET_S = 2.0
 RANKS_PER_NODE = 8
 PARAM_BYTES, GRAD_BYTES = 2, 4  # bf16 parameters, gradients reduced in fp32
 MUON_STATE_BYTES, ADAMW_STATE_BYTES = 8, 12  # momentum + fp32 master; two moments + fp32 master
-TABLE_START, TABLE_END = "<!-- table:start -->", "<!-- table:end -->"
 EXPERT_TABLE_START, EXPERT_TABLE_END = "<!-- expert-table:start -->", "<!-- expert-table:end -->"
+TITLE = "Layout at scale (simulated)"
 
 
 def routed_cost(model: ModelShapes) -> Callable[[ParamSpec], float]:
@@ -180,7 +178,7 @@ def time_planning(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -
         result = choose_owner_group_size(model.routed_specs(), dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
                                          grad_bytes=GRAD_BYTES)
         times.append(time.perf_counter() - t0)
-    return result[0], result[1], statistics.median(times)
+    return result[0], result[1], harness.median_of(times)
 
 
 def measure(model: ModelShapes, dp: int, bucket_size: int, repeats: int) -> dict:
@@ -237,7 +235,7 @@ def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repea
     by_name = {s.name: s for s in specs}
     out = {"model": model.name, "dp": dp, "E": E, "expert_dp": D, "g": g, "replicas": layout.replicas,
            "g_e": layout.expert_group_size, "expert_replicas": layout.expert_replicas,
-           "local_experts": len(local_names), "plan_s": statistics.median(times)}
+           "local_experts": len(local_names), "plan_s": harness.median_of(times)}
     ours_buffers, ideal_buffers, ours_state, ideal_state, sent, ddp_bytes = 0, 0, 0.0, 0.0, 0.0, 0.0
     for kind, ranks in (("dense", dp), ("expert", D)):
         names = [s.name for s in specs if (s.kind == "expert") == (kind == "expert")]
@@ -276,79 +274,70 @@ def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repea
     return out
 
 
-def expert_verdict(row: dict) -> str:
-    misses = [name for name, value, target in (("memory", row["memory_ratio"], MEMORY_TARGET),
-                                               ("bytes", row["bytes_ratio"], BYTES_TARGET),
-                                               ("dense NS", row["dense_ns"], BALANCE_TARGET),
-                                               ("expert NS", row["expert_ns"], BALANCE_TARGET),
-                                               ("plan", row["plan_s"], PLANNING_TARGET_S)) if value > target]
-    for kind in ("dense", "expert"):
-        if f"{kind} NS" in misses and row[f"{kind}_ns_floor"] > BALANCE_TARGET:
-            misses[misses.index(f"{kind} NS")] = (f"{kind} NS (no placement of whole matrices reaches it: "
-                                                  f"floor {row[f'{kind}_ns_floor']:.3f})")
+def _verdict(checks: list[tuple[str, float, float, float | None]]) -> str:
+    """"met", or the targets missed among ``(name, value, target, floor)``; a miss whose floor (the best any
+    placement of whole matrices reaches) is above the target too says so."""
+    misses = []
+    for name, value, target, floor in checks:
+        if value > target:
+            reachable = floor is None or floor <= target
+            misses.append(name if reachable else
+                          f"{name} (no placement of whole matrices reaches it: floor {floor:.3f})")
     return "met" if not misses else "missed: " + ", ".join(misses)
+
+
+def expert_verdict(row: dict) -> str:
+    return _verdict([("memory", row["memory_ratio"], MEMORY_TARGET, None),
+                     ("bytes", row["bytes_ratio"], BYTES_TARGET, None),
+                     ("dense NS", row["dense_ns"], BALANCE_TARGET, row["dense_ns_floor"]),
+                     ("expert NS", row["expert_ns"], BALANCE_TARGET, row["expert_ns_floor"]),
+                     ("plan", row["plan_s"], PLANNING_TARGET_S, None)])
+
+
+def _table(columns: list[tuple[str, str | Callable[[dict], str], str]], rows: list[dict],
+           judge: Callable[[dict], str]) -> str:
+    """A markdown table of ``rows``: per column ``(title, key, spec)``, the row's value under ``key`` formatted
+    with ``spec`` (or what ``key`` returns for the row, if it is a function); then the row's targets verdict."""
+    return harness.markdown_table([title for title, _, _ in columns] + ["targets"], [
+        [key(r) if callable(key) else format(r[key], spec) for _, key, spec in columns] + [judge(r)] for r in rows])
+
+
+EXPERT_COLUMNS = [
+    ("model", "model", ""), ("dp", "dp", ""), ("E", "E", ""), ("expert DP", "expert_dp", ""),
+    ("dense g x R", lambda r: f"{r['g']} x {r['replicas']}", ""),
+    ("expert g_e x R_e", lambda r: f"{r['g_e']} x {r['expert_replicas']}", ""),
+    ("expert tensors per rank", "local_experts", ","), ("dense padding", "dense_padding", ".2%"),
+    ("expert padding", "expert_padding", ".2%"), ("memory / ideal", "memory_ratio", ".3f"),
+    ("opt state / ideal", "state_ratio", ".2f"), ("bytes / ddp", "bytes_ratio", ".3f"),
+    ("dense NS / bound", "dense_ns", ".3f"), ("expert NS / bound", "expert_ns", ".3f"), ("plan s", "plan_s", ".2f"),
+]
+COLUMNS = [
+    ("model", "model", ""), ("dp", "dp", ""), ("g", "g", ""), ("R", "replicas", ""), ("padding", "padding", ".2%"),
+    ("memory / ideal", "memory_ratio", ".3f"), ("param, grad buffer / ideal", "buffers_ratio", ".3f"),
+    ("opt state / ideal (1/dp)", "state_ratio", ".2f"), ("opt state / bound", "state_bound_ratio", ".2f"),
+    ("bytes / ddp", "bytes_ratio", ".3f"), ("NS / bound", "ns_balance", ".3f"), ("NS floor / bound", "ns_floor", ".3f"),
+    ("plan s", "plan_s", ".2f"), ("NS / bound, unshared", "ns_balance_unshared", ".3f"),
+    ("opt state / ideal, unshared", "state_ratio_unshared", ".2f"),
+]
 
 
 def expert_table(rows: list[dict]) -> str:
-    head = ["model", "dp", "E", "expert DP", "dense g x R", "expert g_e x R_e", "expert tensors per rank",
-            "dense padding", "expert padding", "memory / ideal", "opt state / ideal", "bytes / ddp",
-            "dense NS / bound", "expert NS / bound", "plan s", "targets"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        lines.append("| " + " | ".join([
-            r["model"], str(r["dp"]), str(r["E"]), str(r["expert_dp"]), f"{r['g']} x {r['replicas']}",
-            f"{r['g_e']} x {r['expert_replicas']}", f"{r['local_experts']:,}", f"{100 * r['dense_padding']:.2f}%",
-            f"{100 * r['expert_padding']:.2f}%", f"{r['memory_ratio']:.3f}", f"{r['state_ratio']:.2f}",
-            f"{r['bytes_ratio']:.3f}", f"{r['dense_ns']:.3f}", f"{r['expert_ns']:.3f}", f"{r['plan_s']:.2f}",
-            expert_verdict(r)]) + " |")
-    return "\n".join(lines)
+    return _table(EXPERT_COLUMNS, rows, expert_verdict)
 
 
 def verdict(row: dict) -> str:
-    misses = [name for name, value, target in (("memory", row["memory_ratio"], MEMORY_TARGET),
-                                               ("bytes", row["bytes_ratio"], BYTES_TARGET),
-                                               ("NS", row["ns_balance"], BALANCE_TARGET),
-                                               ("plan", row["plan_s"], PLANNING_TARGET_S)) if value > target]
-    if "NS" in misses and row["ns_floor"] > BALANCE_TARGET:
-        misses[misses.index("NS")] = f"NS (no placement of whole matrices reaches it: floor {row['ns_floor']:.3f})"
-    return "met" if not misses else "missed: " + ", ".join(misses)
+    return _verdict([("memory", row["memory_ratio"], MEMORY_TARGET, None),
+                     ("bytes", row["bytes_ratio"], BYTES_TARGET, None),
+                     ("NS", row["ns_balance"], BALANCE_TARGET, row["ns_floor"]),
+                     ("plan", row["plan_s"], PLANNING_TARGET_S, None)])
 
 
 def table(rows: list[dict]) -> str:
-    head = ["model", "dp", "g", "R", "padding", "memory / ideal", "param, grad buffer / ideal",
-            "opt state / ideal (1/dp)", "opt state / bound", "bytes / ddp", "NS / bound", "NS floor / bound",
-            "plan s", "NS / bound, unshared", "opt state / ideal, unshared", "targets"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [r["model"], str(r["dp"]), str(r["g"]), str(r["replicas"]), f"{100 * r['padding']:.2f}%",
-                 f"{r['memory_ratio']:.3f}", f"{r['buffers_ratio']:.3f}", f"{r['state_ratio']:.2f}",
-                 f"{r['state_bound_ratio']:.2f}", f"{r['bytes_ratio']:.3f}", f"{r['ns_balance']:.3f}",
-                 f"{r['ns_floor']:.3f}", f"{r['plan_s']:.2f}", f"{r['ns_balance_unshared']:.3f}",
-                 f"{r['state_ratio_unshared']:.2f}", verdict(r)]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def write_markdown(path: Path, text: str, start: str = TABLE_START, end: str = TABLE_END) -> None:
-    """Replaces the table between the markers ``start`` and ``end``, keeping the narrative around it."""
-    block = f"{start}\n{text}\n{end}"
-    if path.exists() and start in (old := path.read_text()):
-        head, _, rest = old.partition(start)
-        _, _, tail = rest.partition(end)
-        path.write_text(head + block + tail)
-    elif path.exists():
-        path.write_text(path.read_text().rstrip() + f"\n\n{block}\n")
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"# Layout at scale (simulated)\n\n{block}\n")
+    return _table(COLUMNS, rows, verdict)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     panels = [("state_bound_ratio", 1, "busiest rank's optimizer state / its bound", None, True),
               ("memory_ratio", 1, "busiest rank's memory / ideal ZeRO-1", MEMORY_TARGET, True),
@@ -377,8 +366,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.suptitle("Layouts of published models, owner_group_size='auto': owner groups sharing the optimizer "
                  "step (solid) vs each group stepping its whole shard (dotted)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    harness.save_figure(fig, path, dpi=110)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -420,18 +408,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\ntotal {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     if args.no_write:
         return
-    import torch
-
-    meta = {"bucket_size": args.bucket_size, "repeats": args.repeats, "python": platform.python_version(),
-            "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+    machine = harness.machine()
+    meta = {"bucket_size": args.bucket_size, "repeats": args.repeats, "python": machine["python"],
+            "torch": machine["torch"], "machine": machine["cpu_model"],
             "ranks_per_node": RANKS_PER_NODE, "targets": {"memory": MEMORY_TARGET, "bytes": BYTES_TARGET,
                                                           "ns": BALANCE_TARGET, "plan_s": PLANNING_TARGET_S},
             "bytes_model": {"param": PARAM_BYTES, "grad": GRAD_BYTES, "muon_state": MUON_STATE_BYTES,
                             "adamw_state": ADAMW_STATE_BYTES}}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"meta": meta, "rows": rows, "expert_rows": expert_rows}, indent=1) + "\n")
-    write_markdown(args.markdown, text)
-    write_markdown(args.markdown, experts_text, EXPERT_TABLE_START, EXPERT_TABLE_END)
+    harness.write_json(args.json, {"meta": meta, "rows": rows, "expert_rows": expert_rows})
+    harness.write_between_markers(args.markdown, text, title=TITLE)
+    harness.write_between_markers(args.markdown, experts_text, EXPERT_TABLE_START, EXPERT_TABLE_END, title=TITLE)
     plot(rows, args.png)
     print(f"wrote {args.json}, {args.markdown}, {args.png}", file=sys.stderr)
 

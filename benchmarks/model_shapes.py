@@ -42,7 +42,9 @@ Note [DeepSeek-V3 approximations]
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -210,13 +212,17 @@ def model_shapes(name: str) -> ModelShapes:
 
 
 def _main() -> None:
-    print("| model | params | published | ratio | tensors | Muon matrices | expert tensors |")
-    print("|---|---|---|---|---|---|---|")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.harness import markdown_table
+
+    rows = []
     for name in MODELS:
         m = model_shapes(name)
         experts = sum(s.kind == "expert" for s in m.specs)
-        print(f"| {name} | {m.numel:,} | {m.published:,} | {m.numel / m.published:.4f} | {len(m.specs):,} | "
-              f"{m.muon_matrices:,} | {experts:,} |")
+        rows.append([name, f"{m.numel:,}", f"{m.published:,}", f"{m.numel / m.published:.4f}", f"{len(m.specs):,}",
+                     f"{m.muon_matrices:,}", f"{experts:,}"])
+    print(markdown_table(["model", "params", "published", "ratio", "tensors", "Muon matrices", "expert tensors"],
+                         rows))
     print("\nlargest tensor share: " + ", ".join(
         f"{n} {max(s.numel for s in model_shapes(n).specs) / model_shapes(n).numel:.2%}" for n in MODELS))
 

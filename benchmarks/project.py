@@ -47,14 +47,13 @@ Writes ``benchmarks/results/projection.json``, the table into
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.layout_scale import write_markdown  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.model_shapes import MODELS, ModelShapes, model_shapes  # noqa: E402
 from lightning_layerwise.layout import DEFAULT_BUCKET_SIZE, ParamSpec, choose_owner_group_size  # noqa: E402
 
@@ -167,7 +166,7 @@ def table(rows: list[dict]) -> str:
     head = ["model", "dp", "g", "padding", "opt ms layerwise_muon", "opt ms ddp_muon", "opt ms ddp_adamw",
             "comm ms layerwise (RS+AG)", "comm ms ddp (AR)", "opt state GB layerwise_muon",
             "opt state GB ddp_muon", "opt state GB ddp_adamw", "buffers GB layerwise", "buffers GB ddp"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     for r in rows:
         o, c, m, b = r["optimizer_s"], r["comm_s"], r["optimizer_state_bytes"], r["buffer_bytes"]
         cells = [r["model"], str(r["dp"]), str(r["g"]), f"{100 * r['padding']:.1f}%"]
@@ -175,16 +174,12 @@ def table(rows: list[dict]) -> str:
         cells += [f"{1e3 * c['layerwise_muon']:.0f}", f"{1e3 * c['ddp_adamw']:.0f}"]
         cells += [f"{m[k] / 1e9:.2f}" for k in CONFIGS]
         cells += [f"{b['layerwise_muon'] / 1e9:.1f}", f"{b['ddp_adamw'] / 1e9:.1f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        body.append(cells)
+    return harness.markdown_table(head, body)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(len(models), 3, figsize=(16, 4.2 * len(models)), squeeze=False)
     colors = {"layerwise_muon": "C0", "ddp_muon": "C3", "ddp_adamw": "C2"}
@@ -211,8 +206,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.legend(fontsize=8)
     fig.suptitle("Projected from flop and byte counts (not measured): H100 rates as in docs/benchmarks/projection.md")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    harness.save_figure(fig, path, dpi=100)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -250,14 +244,13 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if args.no_write:
         return
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"hardware": asdict(hw), "bucket_size": args.bucket_size,
-                                     "bytes_per_element": {"adamw_update": ADAMW_BYTES_PER_ELEMENT,
-                                                           "muon_update": MUON_BYTES_PER_ELEMENT,
-                                                           "adamw_state": ADAMW_STATE_BYTES,
-                                                           "muon_state": MUON_STATE_BYTES},
-                                     "rows": rows}, indent=1) + "\n")
-    write_markdown(args.markdown, text)
+    harness.write_json(args.json, {"hardware": asdict(hw), "bucket_size": args.bucket_size,
+                                   "bytes_per_element": {"adamw_update": ADAMW_BYTES_PER_ELEMENT,
+                                                         "muon_update": MUON_BYTES_PER_ELEMENT,
+                                                         "adamw_state": ADAMW_STATE_BYTES,
+                                                         "muon_state": MUON_STATE_BYTES},
+                                   "rows": rows})
+    harness.write_between_markers(args.markdown, text, title="Projection to many GPUs (computed, not measured)")
     plot(rows, args.png)
     print(f"wrote {args.json}, {args.markdown}, {args.png}", file=sys.stderr)
 

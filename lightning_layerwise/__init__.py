@@ -7,39 +7,40 @@ Without Lightning installed the engine still imports and trains: a plain torch l
 drives a :class:`LayerwiseSession` (``examples/torch_train.py``).
 """
 
-from .clip import clip_grad_norm_, clip_grad_value_, grad_norm
+import os as _os
+
 from .config import LayerwiseConfig
-from .data_parallel import CollectiveError, LayerwiseDataParallel, ReplicaDivergenceError
+from .engine.clip import clip_grad_norm_, clip_grad_value_, grad_norm
+from .engine.data_parallel import LayerwiseDataParallel, ReplicaDivergenceError
+from .engine.grad_sync import SplitGradient, SplitGradientError
+from .engine.grad_utils import GradientUtilities, gradient_utilities
+from .engine.process_groups import ProcessGroups
+from .engine.read_guard import StaleParameterReadError
+from .engine.waiter import CollectiveError
 from .experts import mark_experts
-from .grad_sync import SplitGradient, SplitGradientError
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .optim import Muon, muon_param_groups
-from .process_groups import ProcessGroups
-from .read_guard import StaleParameterReadError
 from .session import LayerwiseSession, SessionEnv
 
 _LIGHTNING_NAMES = ("LayerwiseStrategy", "LayerwiseFabricStrategy")
 
 try:
-    import lightning  # noqa: F401
-except ImportError:
-    lightning = None
+    from .lightning import LayerwiseFabricStrategy, LayerwiseStrategy  # registers the strategy names
+except ModuleNotFoundError as error:
+    if error.name is None or error.name.split(".")[0] != "lightning":
+        raise
 
-if lightning is not None:
-    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from .fabric import LayerwiseFabricStrategy
-    from .strategy import LayerwiseStrategy
-
-    LayerwiseStrategy.register_strategies(StrategyRegistry)
-    LayerwiseFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
-else:  # the engine needs only torch: a plain loop (examples/torch_train.py) runs without Lightning
-    def __getattr__(name: str):
+    def __getattr__(name: str):  # the engine needs only torch: a plain loop runs without Lightning
         if name in _LIGHTNING_NAMES:
             raise ImportError(f"lightning_layerwise.{name} needs Lightning (pip install lightning); the engine "
                               "(LayerwiseSession, LayerwiseDataParallel, Muon, clipping) works without it.")
         raise AttributeError(f"module 'lightning_layerwise' has no attribute {name!r}")
+
+# the timing fuzzer, for tests (Note [late collectives] in ``testing/late_collectives.py``)
+if _os.environ.get("LLW_LATE_COLLECTIVES", "").strip():
+    from .testing import late_collectives as _late_collectives
+
+    _late_collectives.install_from_environment()
 
 __all__ = [
     "CollectiveError",
@@ -48,6 +49,7 @@ __all__ = [
     "LayerwiseFabricStrategy",
     "LayerwiseSession",
     "LayerwiseStrategy",
+    "GradientUtilities",
     "Layout",
     "Muon",
     "ParamSpec",
@@ -61,6 +63,7 @@ __all__ = [
     "clip_grad_value_",
     "describe_layout",
     "grad_norm",
+    "gradient_utilities",
     "mark_experts",
     "muon_param_groups",
     "plan_layout",

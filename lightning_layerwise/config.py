@@ -22,7 +22,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from .layout import DEFAULT_BUCKET_SIZE, is_bucket_size
 from .optim.elementwise import resolve_optimizer_classes
-from .read_guard import READ_GUARDS
+from .engine.read_guard import READ_GUARDS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -39,7 +39,8 @@ class LayerwiseConfig:
     overlap_param_gather: Union[bool, Literal["auto"]] = "auto"
     """All-gather parameters behind the next forward; ``"auto"``: unless the model is compiled."""
     param_read_guard: Literal["wait", "strict", "off"] = "wait"
-    """What a read of a parameter whose all-gather has not landed does (Note [read guard])."""
+    """What a read of a parameter whose all-gather has not landed does (Note [read guard] in
+    ``engine/read_guard.py``)."""
     prefetch_depth: int = 2
     """Buckets whose all-gather may be in flight at once."""
     separate_all_gather_group: bool = True

@@ -1,4 +1,5 @@
-"""Marking the expert parameters of a mixture-of-experts model (Note [expert parallelism] in process_groups.py).
+"""Marking the expert parameters of a mixture-of-experts model (Note [expert parallelism] in
+``engine/process_groups.py``).
 
 A model with expert parallelism builds, on each rank, only its *local* experts: with
 ``expert_parallel_size=E`` and ``n`` experts, the rank at position ``r`` of its
@@ -61,7 +62,7 @@ def check_expert_marks(module: nn.Module, expert_parallel_size: int) -> None:
 def expert_key_map(module: nn.Module, expert_rank: int) -> dict[str, str]:
     """``state_dict`` key of every tensor under a marked container -> its name in a model holding every
     expert: local expert ``j`` of the rank at expert-parallel position ``expert_rank`` is expert
-    ``expert_rank * len(container) + j`` (Note [expert parallelism] in ``process_groups.py``).
+    ``expert_rank * len(container) + j`` (Note [expert parallelism] in ``engine/process_groups.py``).
 
     Checkpoints use these global names, so they reshard across expert-parallel sizes.
     """

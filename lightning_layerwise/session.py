@@ -16,7 +16,7 @@ the run that does not depend on who calls it:
   :meth:`~LayerwiseSession.step`, which chain them for a plain loop);
 * checkpoints: what this rank writes and reads, names, optimizer state cut to this rank,
   and :meth:`~LayerwiseSession.save` / :meth:`~LayerwiseSession.read` through one
-  :class:`~lightning_layerwise.formats.CheckpointFormat` per format;
+  :class:`~lightning_layerwise.checkpoint.formats.CheckpointFormat` per format;
 * :meth:`~LayerwiseSession.release`: waits for what is in flight, unwraps the module and
   destroys the run's groups.
 
@@ -63,7 +63,6 @@ A plain torch loop under ``torchrun``::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -71,24 +70,24 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from . import checkpoint as ckpt
-from .clip import clip_grad_norm_, clip_grad_value_
+from .engine.clip import clip_grad_norm_, clip_grad_value_
 from .config import DTYPES, LayerwiseConfig
-from .data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients
-from .experts import check_expert_marks, expert_key_map, expert_key_predicate, expert_parameter_names
-from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
+from .engine.grad_utils import gradient_utilities
+from .engine.data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients
+from .experts import check_expert_marks, expert_key_map, expert_parameter_names
+from .checkpoint.checkpoints import SessionCheckpoints
+from .checkpoint.formats import Checkpoint
+from .checkpoint.named_state import to_cpu
 from .layout import Layout, choose_expert_group_size, choose_owner_group_size, plan_layout
-from .masters import MasterWeights
+from .engine.masters import MasterWeights
 from .optim.elementwise import elementwise_parameters
-from .process_groups import ProcessGroups
+from .engine.process_groups import ProcessGroups
 
 log = logging.getLogger("lightning_layerwise")
 
@@ -175,12 +174,12 @@ class LayerwiseSession:
         self.steps = 0  # optimizer steps since wrapping, for replica_check_every
         self.replans = 0
         """How often the layout was planned again since wrapping (Note [re-planning])."""
-        self._names: dict[torch.Tensor, str] = {}  # parameter (piece, master) -> checkpoint name; kept by release
-        self._expert_map: dict[str, str] = {}  # local -> global expert names (Note [expert checkpoints])
-        self._released_ownership: Optional[ckpt.Ownership] = None  # the last layout's, kept by release
+        self.checkpoints = SessionCheckpoints(self)
+        """This run's checkpoints: names, ownership, the formats, save and restore."""
         self._elementwise = True  # wrap(elementwise=...): whether re-planning may split parameters again
         self._expert: Optional[Callable[[str, torch.nn.Parameter], bool]] = None  # which parameters are experts
         self._group_counts: list[int] = []  # param groups per optimizer when they last got their pieces
+        self._gradient_utilities = None  # the hold on the patched gradient utilities, from wrap to release
 
     # --- the environment ---------------------------------------------------------------------------------------------
     @property
@@ -200,7 +199,7 @@ class LayerwiseSession:
     @property
     def expert_parallel_rank(self) -> int:
         """Which experts this rank holds (position in its expert-parallel group): known before :meth:`wrap`,
-        so a model can build only its experts (Note [expert parallelism])."""
+        so a model can build only its experts (Note [expert parallelism] in ``engine/process_groups.py``)."""
         self._check_expert_parallel_size()
         return self.env.rank % self.config.expert_parallel_size
 
@@ -215,14 +214,14 @@ class LayerwiseSession:
         float32 masters of what this rank owns."""
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
         self.module, self.optimizers, self.master_weights = module, optimizers, master_weights
-        self._released_ownership = None
+        self.checkpoints.released_ownership = None
         self.masters = None
         reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
         self._elementwise = elementwise
         predicate = self._elementwise_predicate() if elementwise else None
         experts = self._expert_names()
         E = self.config.expert_parallel_size
-        self._expert_map = expert_key_map(module, self.expert_parallel_rank) if E > 1 else {}
+        self.checkpoints.expert_map = expert_key_map(module, self.expert_parallel_rank) if E > 1 else {}
         expert = (lambda name, p: name in experts) if experts else None
         specs = layout_specs(module, elementwise=predicate, expert=expert)
         owner_size, layout = self._plan(specs, expert is not None)
@@ -237,6 +236,8 @@ class LayerwiseSession:
             grad_reduce_dtype=self._grad_reduce_dtype(), broadcast_buffers=c.broadcast_buffers,
             param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout)
         self.wrapper.on_new_trainable = self._replan
+        if self._gradient_utilities is None:  # torch's clipping sees the global norm while wrapped
+            self._gradient_utilities = gradient_utilities()
         self._expert = expert
         self._after_optimizers()
         return self.wrapper
@@ -261,10 +262,10 @@ class LayerwiseSession:
                 self.wrapper.use_shards_in(optimizer)
         if self.master_weights and self.optimizers and self.wrapper is not None:
             if self.masters is None:
-                self.masters = MasterWeights(self.wrapper, self._global_name)
+                self.masters = MasterWeights(self.wrapper, self.checkpoints.global_name)
             for optimizer in self.optimizers:
                 self.masters.use_in(optimizer)
-        self._names = self._checkpoint_names()
+        self.checkpoints.refresh_names()
         self._group_counts = [len(optimizer.param_groups) for optimizer in self.optimizers]
 
     # --- re-planning (Note [re-planning]) ----------------------------------------------------------------------------
@@ -282,8 +283,7 @@ class LayerwiseSession:
                 "step's first backward).")
         self.env.info(f"{self.name}: {len(names)} parameter(s) became trainable ({', '.join(names[:3])}"
                       f"{', ...' if len(names) > 3 else ''}); the layout is planned again for them.")
-        full = FORMATS["full"]
-        states = [_to_cpu(full.optimizer_state(self, optimizer)) for optimizer in self.optimizers]
+        states = [to_cpu(self.checkpoints.full_optimizer_state(optimizer)) for optimizer in self.optimizers]
         states = self.env.broadcast(states)  # rank 0 holds the gathered state; every rank keeps what it steps
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
@@ -298,7 +298,7 @@ class LayerwiseSession:
         self._use_stepped_tensors()
         self.steps = steps
         if self.optimizers:
-            self.load_optimizer_states(self.optimizers, states)
+            self.checkpoints.load_optimizer_states(self.optimizers, states)
 
     def stepped_tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
         """What the optimizers hold for the model parameter ``param`` on this rank: its piece, its float32
@@ -325,7 +325,8 @@ class LayerwiseSession:
                            expert_replicas=expert_dp // ge if ge else 1)
 
     def _plan(self, specs, has_experts: bool) -> tuple[int, Optional[Layout]]:
-        """The owner group size and its layout, planned once (Note [choosing the owner group size] in layout.py).
+        """The owner group size and its layout, planned once (Note [choosing the owner group size] in
+        ``layout/group_size.py``).
 
         Experts are planned over their expert data-parallel group whatever the owner group is, as the wrapper
         runs them, so they do not sway the choice."""
@@ -414,7 +415,8 @@ class LayerwiseSession:
 
     # --- steps -------------------------------------------------------------------------------------------------------
     def before_backward(self) -> None:
-        """Every backward adds to the gradients until they are cleared (Note [gradient lifecycle])."""
+        """Every backward adds to the gradients until they are cleared (Note [gradient lifecycle] in
+        ``engine/grad_sync.py``)."""
         if self.wrapper is not None:
             self.wrapper.prepare_backward()
 
@@ -506,7 +508,8 @@ class LayerwiseSession:
         return self.wrapper
 
     def _compiled_needs_sync(self, wrapper: LayerwiseDataParallel) -> bool:
-        """The wrapper itself ran compiled (Note [compiled wrapper]): under ``"auto"``, no overlap."""
+        """The wrapper itself ran compiled (Note [compiled wrapper] in ``engine/data_parallel.py``): under ``"auto"``,
+        no overlap."""
         overlap = self.config.overlap_param_gather
         if not wrapper.compiled_forward or overlap is False:
             return False
@@ -523,182 +526,33 @@ class LayerwiseSession:
             self.wrapper.finish_param_sync()
 
     # --- checkpoints -------------------------------------------------------------------------------------------------
-    @property
-    def save_format(self) -> CheckpointFormat:
-        """The format :meth:`save` writes now (``checkpoint_format``; ``"auto"`` decides by the model's size)."""
-        return FORMATS[self.config.checkpoint_format].resolve(self)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """``optimizer``'s state keyed by parameter name, as :attr:`save_format` writes it (Note [checkpoint keys]
-        in ``checkpoint.py``); may be collective."""
-        return self.save_format.optimizer_state(self, optimizer)
-
-    def check_save(self, target: str, storage_options: Any = None, call: str = "save", has_model: bool = True) -> None:
-        """Refuses, before any work, a save :attr:`save_format` cannot make."""
-        if self.config.expert_parallel_size > 1 and not self.save_format.holds_every_expert:
-            # Rank 0 holds only its own experts; a full file would need every rank's gathered to it.
-            E = self.config.expert_parallel_size
-            raise ckpt.CheckpointError(
-                f"checkpoint_format={self.save_format.name!r} with expert_parallel_size={E} is not supported yet: "
-                "rank 0 holds only its own experts. Use checkpoint_format='sharded' (it reshards across "
-                "expert-parallel sizes) and `python -m lightning_layerwise consolidate` for one file.")
-        self.save_format.check_save(self, target, storage_options, call, has_model)
-
-    def save(self, target: str, checkpoint: Checkpoint, file_io: Any = None, storage_options: Any = None) -> None:
-        """Writes ``checkpoint`` to ``target`` (rank 0's path) in :attr:`save_format` (collective)."""
-        self.save_format.save(self, target, checkpoint, file_io if file_io is not None else ckpt.TorchFileIO(),
-                              storage_options)
-
-    def resolve_path(self, checkpoint_path: Any) -> Union[Path, str]:
-        """Rank 0's path; on a local filesystem, the previous checkpoint if a save replacing it was interrupted
-        (Note [atomic save]). A URL stays a string."""
-        target = self.env.broadcast(str(checkpoint_path))
-        if not ckpt.is_local_path(target):
-            return target
-        path = ckpt.resolve(Path(target))
-        if path != Path(target):
-            self.env.warn(f"{target!r} does not exist, but {str(path)!r} does: a save to {target!r} was interrupted "
-                          "while replacing it. Loading the previous checkpoint.")
-        return path
-
-    def read(self, path: Union[Path, str], n_optimizers: int = 0, strict: bool = True,
-             weights_only: Optional[bool] = None, strict_hint: str = "", file_io: Any = None,
-             memory_map: bool = True) -> Loaded:
-        """Reads a checkpoint from :meth:`resolve_path`'s ``path`` in the format found there (collective)."""
-        fmt = format_on_disk(path)
-        return fmt.read(self, path, n_optimizers=n_optimizers, strict=strict, weights_only=weights_only,
-                        strict_hint=strict_hint, file_io=file_io if file_io is not None else ckpt.TorchFileIO(),
-                        memory_map=memory_map)
-
-    def load_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Loads a full state dict into the wrapped module; every rank then holds it (and the masters equal it)."""
-        if self.config.expert_parallel_size > 1:
-            # A full file names every expert globally; this rank's module holds only its own, under local names.
-            raise ckpt.CheckpointError(
-                f"loading a full checkpoint file with expert_parallel_size={self.config.expert_parallel_size} is "
-                "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
-        self.sync_parameters()
-        self.module.load_state_dict(state_dict, strict=strict)
-        self.after_model_load()
-
-    def after_model_load(self) -> None:
-        """Every rank holds the loaded parameters, and the masters equal them."""
-        if self.wrapper is not None:
-            self.wrapper.start_param_sync(force_sync=True)
-        if self.masters is not None:
-            self.masters.refresh()
-
-    def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
-        """Loads saved optimizer states (named or indexed, any layout): each rank keeps what it steps now."""
-        if len(states) != len(optimizers):
-            raise ckpt.CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
-                                       f"configures {len(optimizers)}.")
-        names = self._names or self._checkpoint_names()
-        keep = self.ownership().reads  # another rank steps the rest: state exists once in the world
-        pieces = self._pieces()
-        for optimizer, saved in zip(optimizers, states):
-            local = ckpt.local_optimizer_state(saved, optimizer, names, keep, pieces,
-                                               is_expert=expert_key_predicate(self.module))
-            local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off a memory-mapped file
-            optimizer.load_state_dict(local)
-            _optimizer_to_device(optimizer, self.env.device)
-            if self.masters is not None and saved.get("master_weights"):
-                self.masters.load_state_dict(saved["master_weights"])
-
-    @contextlib.contextmanager
-    def naming_failures(self, phase: str):
-        """Re-raises a failure inside a checkpoint collective with the phase and this rank named."""
-        try:
-            yield
-        except (Exception, CheckpointException) as error:
-            raise ckpt.CheckpointError(
-                f"{phase} failed on rank {self.env.rank} of {self.env.world_size} ({type(error).__name__}: "
-                f"{str(error)[:300]}). If another rank died or hung, its log has the first error. The previous "
-                "checkpoint is intact: saves are written aside and renamed into place when complete.") from error
-
-    def ownership(self) -> ckpt.Ownership:
-        """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in checkpoint.py)."""
-        if self.wrapper is None and self._released_ownership is not None:
-            # After training: the optimizer still steps the pieces of the released layout.
-            return self._released_ownership
-        names = self._names or self._checkpoint_names()
-        masters = [m for _, m in self.masters.pairs] if self.masters is not None else []
-        tensors = self.module.state_dict(keep_vars=True)
-        in_layout = set() if self.wrapper is None else {p for p, _ in self.wrapper.named_parameters_in_layout()}
-        expert_outside = [t for k, t in tensors.items() if k in self._expert_map and t not in in_layout]
-        return ckpt.Ownership.of(self.wrapper, names, self.is_global_zero, masters, self._global_name, expert_outside)
-
-    def _pieces(self) -> dict[torch.Tensor, tuple[Any, tuple[int, ...]]]:
-        """This rank's piece of each split parameter: ``{piece parameter: (Piece, full shape)}``."""
-        wrapper = self.wrapper
-        if wrapper is None:
-            return {}
-        pieces = {shard: (wrapper.piece_of(p), tuple(p.shape)) for p, _ in wrapper.named_parameters_in_layout()
-                  for shard in [wrapper.shard_of(p)] if shard is not None}
-        if self.masters is not None:  # the optimizer steps a piece's float32 master in its place
-            pieces.update({self.masters.stepped(shard): entry for shard, entry in list(pieces.items())})
-        return pieces
-
-    def _global_name(self, key: str) -> str:
-        """A parameter's or state-dict key's name in checkpoints (Note [expert checkpoints] in checkpoint.py)."""
-        return self._expert_map.get(key, key)
-
-    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` (this rank's module) with expert keys under their global names."""
-        return {self._global_name(k): v for k, v in state_dict.items()} if self._expert_map else state_dict
-
-    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's part of ``optimizer``'s state, keyed by checkpoint name, with its masters."""
-        named = ckpt.named_optimizer_state(optimizer, self._names or self._checkpoint_names())
-        if self.masters is not None:
-            named["master_weights"] = self.masters.state_dict(optimizer)
-        return named
-
-    def _checkpoint_names(self) -> dict[torch.Tensor, str]:
-        """Every parameter (its piece, its float32 master) by the name checkpoints use for it."""
-        names: dict[torch.Tensor, str] = {p: n for n, p in self.module.named_parameters()}
-        if self.wrapper is not None:
-            names.update((shard, n) for n, shard in self.wrapper.named_owned_parameters())
-        if self.masters is not None:
-            names.update(self.masters.names)
-        return {t: self._global_name(n) for t, n in names.items()} if self._expert_map else names
-
-    def layout_meta(self) -> dict[str, Any]:
-        """What a sharded checkpoint records of the layout it was written under."""
-        return {"world_size": self.env.world_size, "bucket_size": self.config.bucket_size,
-                "owner_group_size": self.groups.owner_size if self.groups else self.env.world_size,
-                "expert_parallel_size": self.config.expert_parallel_size}
+    def ownership(self):
+        """What this rank writes and reads of a checkpoint (:meth:`SessionCheckpoints.ownership`)."""
+        return self.checkpoints.ownership()
 
     def save_checkpoint(self, path: Any, **extra: Any) -> None:
         """A plain loop's checkpoint: the model, every optimizer and ``extra`` (e.g. ``step=100``), in
         ``checkpoint_format`` (collective). The keys are the Trainer's (``state_dict``, ``optimizer_states``),
         so a full file opens with ``torch.load(path)["state_dict"]``."""
         target = self.env.broadcast(str(path))
-        self.check_save(target, None, f"{self.name}.save_checkpoint", has_model=self.module is not None)
+        self.checkpoints.check_save(target, None, f"{self.name}.save_checkpoint", has_model=self.module is not None)
         self.sync_parameters()
         model_state = self.module.state_dict()
-        optimizer_states = [self.optimizer_state(optimizer) for optimizer in self.optimizers]
+        optimizer_states = [self.checkpoints.optimizer_state(optimizer) for optimizer in self.optimizers]
         whole = {"state_dict": model_state, "optimizer_states": optimizer_states, **extra}
-        self.save(target, Checkpoint(whole, model_state, optimizer_states, dict(extra)))
+        self.checkpoints.save(target, Checkpoint(whole, model_state, optimizer_states, dict(extra)))
 
     def load_checkpoint(self, path: Any, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restores what :meth:`save_checkpoint` wrote, in either format and at any world size, into the wrapped
         module and its optimizers (collective); returns the ``extra`` values."""
-        loaded = self.read(self.resolve_path(path), n_optimizers=len(self.optimizers), strict=strict,
-                           weights_only=weights_only, strict_hint="Pass strict=False to load the keys that match.")
-        state = dict(loaded.state)
-        if loaded.model_loaded:
-            optimizer_states = loaded.optimizer_states or []
-        else:
-            if "state_dict" not in state:
-                raise ckpt.CheckpointError(f"{str(path)!r} holds no 'state_dict': it was not written by "
-                                           "save_checkpoint or a Lightning Trainer.")
-            self.load_model_state(state.pop("state_dict"), strict=strict)
-            optimizer_states = state.pop("optimizer_states", [])
-        if self.optimizers:
-            self.load_optimizer_states(self.optimizers, optimizer_states)
-        state.pop("layerwise", None)
-        return state
+        if self.module is None:
+            raise RuntimeError(f"{self.name}: wrap the module before loading a checkpoint into it.")
+        rest = self.checkpoints.restore(
+            self.checkpoints.resolve_path(path), module_key="state_dict", optimizers=self.optimizers,
+            load_module=lambda state: self.checkpoints.load_model_state(state, strict=strict), strict=strict,
+            weights_only=weights_only, strict_hint="Pass strict=False to load the keys that match.")
+        rest.pop("layerwise", None)
+        return rest
 
     # --- the end -----------------------------------------------------------------------------------------------------
     def release(self) -> Optional[torch.nn.Module]:
@@ -712,7 +566,7 @@ class LayerwiseSession:
         wrapper = self.wrapper
         module = None
         if wrapper is not None:
-            self._released_ownership = self.ownership()
+            self.checkpoints.release()
             try:
                 module = wrapper.release()
             except Exception:
@@ -721,6 +575,9 @@ class LayerwiseSession:
                 module = wrapper.release(wait=False)
             self.wrapper = None
             self.masters = None
+        if self._gradient_utilities is not None:
+            self._gradient_utilities.release()
+            self._gradient_utilities = None
         if self.groups is not None:
             # Communicators (and gloo's threads) made for this run end with it: none outlives the run or
             # reaches interpreter exit (where a live one can abort the process).
@@ -746,29 +603,3 @@ def _model_parameter(wrapper: LayerwiseDataParallel, tensor: torch.Tensor) -> to
     """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself."""
     param = wrapper.layout_parameter_of(tensor)
     return tensor if param is None else param
-
-
-def _to_cpu(value):
-    if torch.is_tensor(value):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def _own_copy(value):
-    if torch.is_tensor(value):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _own_copy(v) for k, v in value.items()}
-    return value
-
-
-def _optimizer_to_device(optimizer: Optimizer, device: torch.device) -> None:
-    """Moves the optimizer state to ``device``, leaving ``step`` counters where they are (as Lightning does)."""
-    for p, state in optimizer.state.items():
-        for key, value in list(state.items()):
-            if key != "step" and torch.is_tensor(value):
-                state[key] = value.to(device)

@@ -5,7 +5,7 @@
 #     bash scripts/gpu_check.sh            # PYTHON=/path/to/python3 to pick another interpreter
 #
 # 1. prints nvidia-smi and the torch / lightning versions;
-# 2. runs the GPU tests (python3 -m pytest -m gpu -v tests/test_gpu.py; with pytest-xdist installed,
+# 2. runs the GPU tests (python3 -m pytest -m gpu -v tests/gpu; with pytest-xdist installed,
 #    GPU_CHECK_WORKERS of them at once, 12 by default), log and junit xml in
 #    benchmarks/results/gpu_tests.{log,xml};
 # 3. runs benchmarks/bench_gpu.py (benchmarks/results/gpu.json, gpu.md; log in gpu_bench.log),
@@ -77,7 +77,7 @@ if "$PY" -c 'import xdist' >/dev/null 2>&1; then
   xdist_args=(-n "${GPU_CHECK_WORKERS:-12}" -p no:benchmark)
 fi
 set +e
-"$PY" -m pytest -m gpu -v -rA ${xdist_args[@]+"${xdist_args[@]}"} tests/test_gpu.py --junitxml="$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
+"$PY" -m pytest -m gpu -v -rA ${xdist_args[@]+"${xdist_args[@]}"} tests/gpu --junitxml="$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
 test_rc=${PIPESTATUS[0]}
 set -e
 echo "gpu_check: tests exited with $test_rc"

@@ -3,7 +3,9 @@
 # The strategies subclass Lightning's DDPStrategy and follow its setup and Fabric protocols, so both ends of
 # the supported range are tested (pyproject.toml); bash scripts/test.sh covers the newest. The timing-fuzzer
 # ("late") and repeated ("again") variants are left to that run: they look for races in the engine, which
-# does not change with the Lightning version, and CI must finish within 20 minutes.
+# does not change with the Lightning version, and CI must finish within 20 minutes. Files that also hold
+# tests of other themes are named test by test; LightningCLI's handling of a bad strategy value is left to
+# scripts/test.sh too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-lowest/bin/python ]; then
@@ -12,5 +14,12 @@ fi
 .venv-lowest/bin/python -m pip install -q -c constraints-lowest.txt -e ".[test]"
 .venv-lowest/bin/python -c "import lightning; print('lightning', lightning.__version__)"
 exec .venv-lowest/bin/python -m pytest -q -k "not late and not again" "$@" \
-  tests/test_strategy.py tests/test_fabric.py tests/test_trainer_features.py tests/test_ddp_patterns.py \
-  tests/test_checkpoint_resharding.py tests/test_cli.py tests/test_finetuning.py
+  tests/lightning/test_trainer.py tests/lightning/test_fabric.py tests/lightning/test_ddp_patterns.py \
+  tests/checkpoint/test_checkpoint_resharding.py tests/lightning/test_cli.py tests/lightning/test_finetuning.py \
+  tests/lightning/test_strategy_arguments.py::test_bad_strategy_arguments \
+  tests/lightning/test_strategy_arguments.py::test_a_misspelt_argument_names_the_closest_one_and_the_valid_ones \
+  tests/lightning/test_strategy_arguments.py::test_bad_elementwise_arguments \
+  tests/lightning/test_strategy_arguments.py::test_owner_group_size_must_divide_the_world \
+  tests/lightning/test_nonfinite.py::test_16_mixed_inf_on_one_rank_skips_the_step_on_all_ranks \
+  --deselect tests/lightning/test_cli.py::test_a_cli_value_the_strategy_rejects_ends_in_a_traceback \
+  --deselect tests/lightning/test_cli.py::test_a_cli_value_outside_a_literal_choice_is_a_usage_error

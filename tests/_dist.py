@@ -5,7 +5,7 @@ test's imports; each uses one intra-op thread so 3 or 4 ranks share 2 cores.
 A worker that raises makes the whole call raise with that rank's traceback;
 a worker that hangs is killed after ``timeout`` seconds and the call fails.
 
-``late_ms`` runs the workers under Note [late collectives] (``lightning_layerwise/collectives.py``):
+``late_ms`` runs the workers under Note [late collectives] (``lightning_layerwise/testing/late_collectives.py``):
 every collective of the package is queued and runs up to ``late_ms`` milliseconds late.
 :func:`reference_threads` fixes the intra-op thread count of single-process references.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_layerwise.collectives import LATE_COLLECTIVES_ENV
+from lightning_layerwise.testing import late_collectives
 
 LATE_MS = 4.0
 """The largest delay (ms) of the fuzzed parity tests: ``run_distributed(..., late_ms=LATE_MS)``.
@@ -69,8 +69,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
     # Lightning's launchers set cores // processes threads unless OMP_NUM_THREADS is set: on a
     # machine with more cores a Trainer in a worker would otherwise run with another count.
     os.environ["OMP_NUM_THREADS"] = str(REFERENCE_THREADS)
-    if late_ms is not None:  # read by the package at each dispatch, so setting it here suffices
-        os.environ[LATE_COLLECTIVES_ENV] = str(late_ms)
+    if late_ms is not None:  # the fuzzer in this worker; processes it starts read the environment
+        late_collectives.install(late_ms)
+        os.environ[late_collectives.LATE_COLLECTIVES_ENV] = str(late_ms)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -96,7 +97,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; returns the results by rank.
 
     ``late_ms``: every collective of the package runs up to that many milliseconds late
-    (Note [late collectives]); ``None`` leaves ``LLW_LATE_COLLECTIVES`` as the environment has it.
+    (Note [late collectives]); ``None`` leaves the fuzzer as this process has it (``--late-collectives``).
     """
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.start_processes(

@@ -4,12 +4,12 @@
 
 Every rank writes OUTDIR/rank<global_rank>.json with what it saw when the fit ends.
 
-Fault injection (tests/test_faults.py): ``--die_in PHASE --die_at_step N`` makes global
+Fault injection (tests/lightning/test_faults.py): ``--die_in PHASE --die_at_step N`` makes global
 rank ``--die_rank`` (default 1) die hard (``os._exit(1)``, or ``--die_how sigkill``) in
 that phase of step N, after writing OUTDIR/died<rank>.json. Phases:
 
 * ``batch_start``: in ``on_train_batch_start`` (exit code 3; the default with ``--die_at_step``
-  alone, used by tests/test_launch.py);
+  alone, used by tests/lightning/test_launch.py);
 * ``forward``: inside the model's forward (a forward pre-hook of the second layer);
 * ``backward``: inside a backward hook (the first layer's weight gradient, the last one
   autograd computes, after later buckets' reduce-scatters were dispatched);
@@ -50,8 +50,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import lightning_layerwise as llw  # noqa: E402
-from lightning_layerwise import checkpoint as llw_checkpoint  # noqa: E402
-from lightning_layerwise import collectives as llw_collectives  # noqa: E402
+from lightning_layerwise.checkpoint import named_state as llw_named_state  # noqa: E402
+from lightning_layerwise.engine import collectives as llw_collectives  # noqa: E402
 
 PHASES = ("batch_start", "forward", "backward", "optimizer_step", "all_gather", "save_sharded", "save_full")
 _START_METHODS = {"layerwise": "popen", "layerwise_spawn": "spawn", "layerwise_fork": "fork",
@@ -189,7 +189,7 @@ class Die(L.Callback):
 
             FileSystemWriter.write_data = dcp_write_data
         elif self.phase == "save_full":
-            send = llw_checkpoint.send_tensor
+            send = llw_named_state.send_tensor
 
             def send_tensor(*args, **kwargs):
                 result = send(*args, **kwargs)
@@ -197,7 +197,7 @@ class Die(L.Callback):
                     self.die("checkpoint.gather_named_state, after sending the first tensor")
                 return result
 
-            llw_checkpoint.send_tensor = send_tensor
+            llw_named_state.send_tensor = send_tensor
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.global_rank != self.rank:

@@ -1,0 +1,330 @@
+"""The session's checkpoint half: names, ownership, the format to write and the one on disk, save and restore.
+
+A :class:`~lightning_layerwise.LayerwiseSession` holds one :class:`SessionCheckpoints`
+(``session.checkpoints``). The formats (``checkpoint/formats.py``) see it only through
+:class:`CheckpointHost`, the few things a format needs of the run it saves and loads.
+The adapters hand it their checkpoint dictionaries: the Trainer its own, Fabric its
+state with the roles of its keys (:meth:`SessionCheckpoints.restore`), a plain loop
+:meth:`~lightning_layerwise.LayerwiseSession.save_checkpoint`'s; none of them branches on
+a format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, Sequence, Union
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim import Optimizer
+
+from ..experts import expert_key_predicate
+from .files import TorchFileIO, is_local_path, resolve
+from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
+from .named_state import local_optimizer_state, named_optimizer_state
+from .ownership import CheckpointError, Ownership
+
+if TYPE_CHECKING:
+    from ..session import LayerwiseSession
+
+
+class CheckpointHost(Protocol):
+    """What a :class:`~lightning_layerwise.checkpoint.formats.CheckpointFormat` needs of the run it saves and
+    loads."""
+
+    name: str
+    """Who is saving, for error messages (``LayerwiseStrategy``, ``LayerwiseSession``…)."""
+    module: Optional[nn.Module]
+    is_global_zero: bool
+    checkpoint_format: str
+    expert_parallel_size: int
+
+    def ownership(self) -> Ownership: ...
+
+    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
+
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+
+    def naming_failures(self, phase: str) -> ContextManager[None]: ...
+
+    def layout_meta(self) -> dict[str, Any]: ...
+
+    def after_model_load(self) -> None: ...
+
+
+class SessionCheckpoints:
+    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a :class:`CheckpointHost`."""
+
+    def __init__(self, session: "LayerwiseSession") -> None:
+        self.session = session
+        self.names: dict[torch.Tensor, str] = {}
+        """Parameter (piece, master) -> checkpoint name; kept by the session's release."""
+        self.expert_map: dict[str, str] = {}
+        """Local -> global expert names (Note [expert checkpoints] in ``checkpoint/ownership.py``)."""
+        self.released_ownership: Optional[Ownership] = None
+        """The last layout's ownership, kept by the session's release (the optimizer still steps its pieces)."""
+
+    # --- the host ----------------------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.session.name
+
+    @property
+    def module(self) -> Optional[nn.Module]:
+        return self.session.module
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.session.is_global_zero
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.session.config.checkpoint_format
+
+    @property
+    def expert_parallel_size(self) -> int:
+        return self.session.config.expert_parallel_size
+
+    def ownership(self) -> Ownership:
+        """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in
+        ``checkpoint/ownership.py``)."""
+        s = self.session
+        if s.wrapper is None and self.released_ownership is not None:
+            # After training: the optimizer still steps the pieces of the released layout.
+            return self.released_ownership
+        names = self.names or self.refresh_names()
+        masters = [m for _, m in s.masters.pairs] if s.masters is not None else []
+        tensors = s.module.state_dict(keep_vars=True)
+        in_layout = set() if s.wrapper is None else {p for _, p in s.wrapper.named_layout_parameters()}
+        expert_outside = [t for k, t in tensors.items() if k in self.expert_map and t not in in_layout]
+        return Ownership.of(s.wrapper, names, s.is_global_zero, masters, self.global_name, expert_outside)
+
+    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` (this rank's module) with expert keys under their global names."""
+        return {self.global_name(k): v for k, v in state_dict.items()} if self.expert_map else state_dict
+
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's part of ``optimizer``'s state, keyed by checkpoint name, with its masters."""
+        named = named_optimizer_state(optimizer, self.names or self.refresh_names())
+        if self.session.masters is not None:
+            named["master_weights"] = self.session.masters.state_dict(optimizer)
+        return named
+
+    @contextlib.contextmanager
+    def naming_failures(self, phase: str):
+        """Re-raises a failure inside a checkpoint collective with the phase and this rank named."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:
+            env = self.session.env
+            raise CheckpointError(
+                f"{phase} failed on rank {env.rank} of {env.world_size} ({type(error).__name__}: "
+                f"{str(error)[:300]}). If another rank died or hung, its log has the first error. The previous "
+                "checkpoint is intact: saves are written aside and renamed into place when complete.") from error
+
+    def layout_meta(self) -> dict[str, Any]:
+        """What a sharded checkpoint records of the layout it was written under."""
+        s = self.session
+        return {"world_size": s.env.world_size, "bucket_size": s.config.bucket_size,
+                "owner_group_size": s.groups.owner_size if s.groups else s.env.world_size,
+                "expert_parallel_size": s.config.expert_parallel_size}
+
+    def after_model_load(self) -> None:
+        """Every rank holds the loaded parameters, and the masters equal them."""
+        if self.session.wrapper is not None:
+            self.session.wrapper.start_param_sync(force_sync=True)
+        if self.session.masters is not None:
+            self.session.masters.refresh()
+
+    # --- names -------------------------------------------------------------------------------------------------------
+    def global_name(self, key: str) -> str:
+        """A parameter's or state-dict key's name in checkpoints (Note [expert checkpoints] in
+        ``checkpoint/ownership.py``)."""
+        return self.expert_map.get(key, key)
+
+    def refresh_names(self) -> dict[torch.Tensor, str]:
+        """Every parameter (its piece, its float32 master) by the name checkpoints use for it; kept."""
+        s = self.session
+        names: dict[torch.Tensor, str] = {p: n for n, p in s.module.named_parameters()}
+        if s.wrapper is not None:
+            names.update((shard, n) for n, shard in s.wrapper.named_owned_parameters())
+        if s.masters is not None:
+            names.update(s.masters.names)
+        self.names = {t: self.global_name(n) for t, n in names.items()} if self.expert_map else names
+        return self.names
+
+    def _pieces(self) -> dict[torch.Tensor, tuple[Any, tuple[int, ...]]]:
+        """This rank's piece of each split parameter: ``{piece parameter: (Piece, full shape)}``."""
+        wrapper, masters = self.session.wrapper, self.session.masters
+        if wrapper is None:
+            return {}
+        pieces = {shard: (wrapper.piece_of(p), tuple(p.shape)) for _, p in wrapper.named_layout_parameters()
+                  for shard in [wrapper.shard_of(p)] if shard is not None}
+        if masters is not None:  # the optimizer steps a piece's float32 master in its place
+            pieces.update({masters.stepped(shard): entry for shard, entry in list(pieces.items())})
+        return pieces
+
+    # --- saving ------------------------------------------------------------------------------------------------------
+    @property
+    def save_format(self) -> CheckpointFormat:
+        """The format :meth:`save` writes now (``checkpoint_format``; ``"auto"`` decides by the model's size)."""
+        return FORMATS[self.checkpoint_format].resolve(self)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state keyed by parameter name, as :attr:`save_format` writes it (Note [checkpoint keys]
+        in ``checkpoint/named_state.py``); may be collective."""
+        return self.save_format.optimizer_state(self, optimizer)
+
+    def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer``'s whole state on every rank's host memory, as a full file holds it (collective)."""
+        return FORMATS["full"].optimizer_state(self, optimizer)
+
+    def check_save(self, target: str, storage_options: Any = None, call: str = "save", has_model: bool = True) -> None:
+        """Refuses, before any work, a save :attr:`save_format` cannot make."""
+        fmt = self.save_format
+        if self.expert_parallel_size > 1 and not fmt.holds_every_expert:
+            # Rank 0 holds only its own experts; a full file would need every rank's gathered to it.
+            raise CheckpointError(
+                f"checkpoint_format={fmt.name!r} with expert_parallel_size={self.expert_parallel_size} is not "
+                "supported yet: rank 0 holds only its own experts. Use checkpoint_format='sharded' (it reshards "
+                "across expert-parallel sizes) and `python -m lightning_layerwise consolidate` for one file.")
+        fmt.check_save(self, target, storage_options, call, has_model)
+
+    def save(self, target: str, checkpoint: Checkpoint, file_io: Any = None, storage_options: Any = None) -> None:
+        """Writes ``checkpoint`` to ``target`` (rank 0's path) in :attr:`save_format` (collective)."""
+        self.save_format.save(self, target, checkpoint, file_io if file_io is not None else TorchFileIO(),
+                              storage_options)
+
+    # --- reading -----------------------------------------------------------------------------------------------------
+    def resolve_path(self, checkpoint_path: Any) -> Union[Path, str]:
+        """Rank 0's path; on a local filesystem, the previous checkpoint if a save replacing it was interrupted
+        (Note [atomic save] in ``checkpoint/files.py``). A URL stays a string."""
+        env = self.session.env
+        target = env.broadcast(str(checkpoint_path))
+        if not is_local_path(target):
+            return target
+        path = resolve(Path(target))
+        if path != Path(target):
+            env.warn(f"{target!r} does not exist, but {str(path)!r} does: a save to {target!r} was interrupted "
+                     "while replacing it. Loading the previous checkpoint.")
+        return path
+
+    def read(self, path: Union[Path, str], n_optimizers: int = 0, strict: bool = True,
+             weights_only: Optional[bool] = None, strict_hint: str = "", file_io: Any = None,
+             memory_map: bool = True) -> Loaded:
+        """Reads a checkpoint from :meth:`resolve_path`'s ``path`` in the format found there (collective)."""
+        return format_on_disk(path).read(self, path, n_optimizers=n_optimizers, strict=strict,
+                                         weights_only=weights_only, strict_hint=strict_hint,
+                                         file_io=file_io if file_io is not None else TorchFileIO(),
+                                         memory_map=memory_map)
+
+    def read_whole(self, path: Union[Path, str], why: str, **read: Any) -> dict[str, Any]:
+        """The whole checkpoint at ``path`` as one dictionary (a file; a sharded directory is refused, naming
+        ``why``: each rank reads only what it owns of it)."""
+        if format_on_disk(path).name == "sharded":
+            raise ValueError(f"{str(path)!r} is a sharded checkpoint directory: {why}")
+        return self.read(path, **read).state
+
+    def load_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Loads a full state dict into the wrapped module; every rank then holds it (and the masters equal it)."""
+        if self.expert_parallel_size > 1:
+            # A full file names every expert globally; this rank's module holds only its own, under local names.
+            raise CheckpointError(
+                f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is "
+                "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
+        self.session.sync_parameters()
+        self.session.module.load_state_dict(state_dict, strict=strict)
+        self.after_model_load()
+
+    def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
+        """Loads saved optimizer states (named or indexed, any layout): each rank keeps what it steps now."""
+        if len(states) != len(optimizers):
+            raise CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
+                                  f"configures {len(optimizers)}.")
+        s = self.session
+        names = self.names or self.refresh_names()
+        keep = self.ownership().reads  # another rank steps the rest: state exists once in the world
+        pieces = self._pieces()
+        for optimizer, saved in zip(optimizers, states):
+            local = local_optimizer_state(saved, optimizer, names, keep, pieces,
+                                          is_expert=expert_key_predicate(s.module))
+            local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off a memory-mapped file
+            optimizer.load_state_dict(local)
+            _optimizer_to_device(optimizer, s.env.device)
+            if s.masters is not None and saved.get("master_weights"):
+                s.masters.load_state_dict(saved["master_weights"])
+
+    def restore(self, path: Union[Path, str], *, module_key: Optional[str], optimizers: Sequence[Optimizer],
+                load_module: Callable[[dict[str, Any]], None], optimizer_keys: Optional[Sequence[str]] = None,
+                strict: bool = True, strict_hint: str = "", roles_key: str = "fabric", **read: Any) -> dict[str, Any]:
+        """Restores the module (through ``load_module``, given a full state dict) and ``optimizers`` from the
+        checkpoint at ``path``, in either format; returns the rest of the checkpoint's dictionary. Collective.
+
+        The dictionary keeps the module under ``module_key`` and the optimizers under ``optimizer_keys``, one key
+        each (Fabric's state), or with ``optimizer_keys=None`` as a list under ``"optimizer_states"`` (a Trainer
+        checkpoint, :meth:`~lightning_layerwise.LayerwiseSession.save_checkpoint`); a Trainer checkpoint file is
+        understood for Fabric's keys too. A sharded directory reads the model into the wrapped module itself and
+        recorded the keys the optimizers were saved under (``meta["layerwise"][roles_key]``): the states follow
+        their keys, whatever the order.
+        """
+        if module_key is None and format_on_disk(path).name == "sharded":
+            raise ValueError("loading a sharded checkpoint needs the trained module in the state "
+                             "(e.g. {'model': model, 'optimizer': optimizer, ...}).")
+        loaded = self.read(path, n_optimizers=len(optimizers), strict=strict, strict_hint=strict_hint, **read)
+        rest = loaded.state
+        if loaded.model_loaded:
+            saved = rest.pop("layerwise", {}).get(roles_key, {})
+            saved_keys = saved.get("optimizers", [saved["optimizer"]] if saved.get("optimizer") else [])
+            states = loaded.optimizer_states or []
+            if states and optimizer_keys is not None and sorted(saved_keys) == sorted(optimizer_keys):
+                states = [states[saved_keys.index(k)] for k in optimizer_keys]  # by name; else in saved order
+            if optimizers and (states or optimizer_keys is None):
+                self.load_optimizer_states(optimizers, states)
+            return rest
+        if module_key is not None:
+            # A Trainer checkpoint file keeps the model under "state_dict" and the optimizers in a list.
+            entry = rest.pop(module_key) if module_key in rest else rest.pop("state_dict", None)
+            if entry is None:
+                raise CheckpointError(f"{str(path)!r} holds no module state under {module_key!r} (nor a "
+                                      "Trainer checkpoint's 'state_dict').")
+            load_module(entry)
+        if optimizers:
+            self.load_optimizer_states(optimizers, _optimizer_entries(rest, optimizer_keys, path))
+        return rest
+
+    def release(self) -> None:
+        """The layout is about to go: keep what this rank owned of it, for saves after training."""
+        self.released_ownership = self.ownership()
+
+
+def _optimizer_entries(rest: dict[str, Any], keys: Optional[Sequence[str]], path: Any) -> list[dict[str, Any]]:
+    """The optimizer states of a checkpoint file (popped from ``rest``): under ``keys``, or a Trainer checkpoint's
+    ``optimizer_states`` list (``keys=None``, or none of ``keys`` present and the list as long as ``keys``)."""
+    if keys is None or not any(k in rest for k in keys):
+        trainer_states = rest.pop("optimizer_states", [])
+        if keys is None or len(trainer_states) == len(keys):
+            return list(trainer_states)  # the optimizers in order
+        rest["optimizer_states"] = trainer_states
+    missing = [k for k in keys if k not in rest]
+    if missing:
+        raise CheckpointError(f"{str(path)!r} holds no optimizer state under {missing[0]!r} (nor a Trainer "
+                              "checkpoint's 'optimizer_states' for every optimizer).")
+    return [rest.pop(k) for k in keys]
+
+
+def _own_copy(value):
+    if torch.is_tensor(value):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _own_copy(v) for k, v in value.items()}
+    return value
+
+
+def _optimizer_to_device(optimizer: Optimizer, device: torch.device) -> None:
+    """Moves the optimizer state to ``device``, leaving ``step`` counters where they are (as Lightning does)."""
+    for state in optimizer.state.values():
+        for key, value in list(state.items()):
+            if key != "step" and torch.is_tensor(value):
+                state[key] = value.to(device)

@@ -1,0 +1,270 @@
+"""Bucket collectives as free functions with explicit group, input and output.
+
+Every function returns a :class:`Collective` (the output tensor and the work
+handle, ``None`` when nothing was sent), so callers decide when to wait. The
+only torch.distributed calls of the package that move tensors live here, with
+the shims for names that differ between torch releases. Every collective goes
+through :data:`_issue`, which calls torch at once; the timing fuzzer of the tests
+replaces it once per process (Note [late collectives] in
+``testing/late_collectives.py``), so the training path reads no setting.
+
+Note [averaging]
+    Inputs are never divided before the reduction: in bf16 or fp16, ``g / world``
+    rounds every rank's gradient once more (and can underflow), and the sum of
+    the rounded parts differs from the mean. Where the backend has it, the mean is
+    taken in the reduction (``ReduceOp.AVG``, NCCL); otherwise (gloo) the sum is
+    reduced and :meth:`Collective.wait` divides this rank's shard (1/world of the
+    bucket, so also fewer elements to divide). The sum of ``world`` values can only
+    overflow where their mean is within a factor ``world`` of the dtype's largest
+    value: possible only in fp16, where the ``16-mixed`` grad scaler then skips the
+    step and lowers its scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+# torch 2.13 renames the single-tensor collectives and deprecates the old names;
+# 2.11 has only the old ones. Same signatures.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _direct(group: ProcessGroup, call: Callable[[bool], "dist.Work | None"], async_op: bool):
+    """``call(async_op)``: the collective now. Returns the work handle of an asynchronous call, ``None``
+    after a synchronous one."""
+    return call(async_op)
+
+
+_issue = _direct
+"""How every collective of this module is issued, ``(group, call, async_op) -> work``. Only a testing tool
+replaces it (:func:`set_dispatch`; Note [late collectives] in ``testing/late_collectives.py``)."""
+
+
+def set_dispatch(dispatch: Callable | None) -> None:
+    """Issues every later collective through ``dispatch(group, call, async_op)`` (``None``: at once again)."""
+    global _issue
+    _issue = dispatch if dispatch is not None else _direct
+
+
+@dataclass
+class Collective:
+    """An output tensor and the handle of the collective that fills it.
+
+    ``divide_by``: the output holds a sum that :meth:`wait` turns into a mean (the
+    averaging fallback of :func:`reduce_scatter_bucket`).
+    """
+
+    output: torch.Tensor
+    work: object | None  # a torch.distributed Work, or any handle with wait()
+    divide_by: int | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.divide_by is not None:
+            self.output.div_(self.divide_by)
+            self.divide_by = None
+        return self.output
+
+    @property
+    def pending(self) -> bool:
+        return self.work is not None
+
+
+def supports_average(group: ProcessGroup) -> bool:
+    """Whether ``group``'s backend averages in the reduction itself (``ReduceOp.AVG``): NCCL does, gloo not."""
+    return dist.get_backend(group) == "nccl"
+
+
+def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
+                          average: bool = False) -> Collective:
+    """Sums (or with ``average``, averages) ``bucket`` over ``group`` into this rank's shard of it, in place.
+
+    ``bucket`` is split into ``group`` size equal shards; after the wait, shard
+    ``rank`` of ``bucket`` holds the sum (mean) over ranks and the other shards hold
+    partial results that must not be read. Returns the shard. See Note [averaging].
+    """
+    if group is None:
+        return Collective(bucket, None)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard = bucket.chunk(world)[rank]
+    in_reduction = average and supports_average(group)
+    op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
+    work = _issue(group, lambda a: _reduce_scatter_single(shard, bucket, op=op, group=group, async_op=a), async_op)
+    result = Collective(shard, work if async_op else None,
+                        divide_by=world if average and not in_reduction else None)
+    if not async_op:
+        result.wait()
+    return result
+
+
+def all_reduce_bucket(tensor: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
+                      average: bool = False) -> Collective:
+    """Sums (with ``average``, averages; Note [averaging]) ``tensor`` over ``group`` in place."""
+    if group is None:
+        return Collective(tensor, None)
+    in_reduction = average and supports_average(group)
+    op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
+    work = _issue(group, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
+    result = Collective(tensor, work if async_op else None,
+                        divide_by=dist.get_world_size(group) if average and not in_reduction else None)
+    if not async_op:
+        result.wait()
+    return result
+
+
+def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True) -> Collective:
+    """Fills every shard of ``bucket`` from the rank that owns it, in place (no staging copy)."""
+    if group is None:
+        return Collective(bucket, None)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard = bucket.chunk(world)[rank]
+    work = _issue(group, lambda a: _all_gather_single(bucket, shard, group=group, async_op=a), async_op)
+    return Collective(bucket, work if async_op else None)
+
+
+def _even(ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``ranges`` are the equal consecutive shards ``tensor.chunk(len(ranges))`` would give."""
+    length = ranges[0][1] - ranges[0][0]
+    return all(a == i * length and b == a + length for i, (a, b) in enumerate(ranges))
+
+
+class _Works:
+    """Several work handles waited as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            if work is not None:
+                work.wait()
+        self.works = []
+
+
+def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], group: ProcessGroup | None,
+                          async_op: bool = True, average: bool = False) -> Collective:
+    """Sums (averages, Note [averaging]) ``tensor`` over ``group`` into chunk ``rank`` of it, in place.
+
+    ``ranges[r]`` is group rank ``r``'s chunk, ``[start, end)`` of ``tensor``; the chunks tile it in any
+    order and may differ in length or be empty (Note [replica sharing] in ``layout/sharing.py``). Equal consecutive
+    chunks take the single-tensor reduce-scatter; others the list form, which NCCL runs as one grouped
+    reduce per chunk and gloo natively. Returns the chunk.
+    """
+    rank = 0 if group is None else dist.get_rank(group)
+    mine = tensor[ranges[rank][0]:ranges[rank][1]]
+    if group is None:
+        return Collective(mine, None)
+    if _even(ranges) and ranges[-1][1] == tensor.numel():
+        return reduce_scatter_bucket(tensor, group, async_op, average)
+    in_reduction = average and supports_average(group)
+    op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
+    inputs = [tensor[a:b] for a, b in ranges]
+    work = _issue(group, lambda a: dist.reduce_scatter(mine, inputs, op=op, group=group, async_op=a), async_op)
+    result = Collective(mine, work if async_op else None,
+                        divide_by=dist.get_world_size(group) if average and not in_reduction else None)
+    if not async_op:
+        result.wait()
+    return result
+
+
+def all_gather_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], group: ProcessGroup | None,
+                      async_op: bool = True) -> Collective:
+    """Fills every chunk ``ranges[r]`` of ``tensor`` from group rank ``r``, in place (the chunks as in
+    :func:`reduce_scatter_chunks`). Equal consecutive chunks take the single-tensor all-gather; uneven ones
+    the list form on NCCL (grouped broadcasts) and one broadcast per non-empty chunk elsewhere (gloo's
+    all-gather needs equal sizes)."""
+    if group is None:
+        return Collective(tensor, None)
+    if _even(ranges) and ranges[-1][1] == tensor.numel():
+        return all_gather_bucket(tensor, group, async_op)
+    rank = dist.get_rank(group)
+    chunks = [tensor[a:b] for a, b in ranges]
+    if dist.get_backend(group) == "nccl":
+        work = _issue(group, lambda a: dist.all_gather(chunks, chunks[rank], group=group, async_op=a), async_op)
+        return Collective(tensor, work if async_op else None)
+    works = []
+    for r, chunk in enumerate(chunks):
+        if chunk.numel():
+            src = dist.get_global_rank(group, r)
+            works.append(_issue(group, lambda a, c=chunk, s=src: dist.broadcast(c, src=s, group=group, async_op=a),
+                                async_op))
+    return Collective(tensor, _Works(works) if async_op else None)
+
+
+def all_gather_stacked(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along a new first dimension, in group rank order (synchronously)."""
+    if group is None:
+        return tensor.unsqueeze(0)
+    out = torch.empty((dist.get_world_size(group), *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    flat = tensor.contiguous().view(-1)
+    _issue(group, lambda a: _all_gather_single(out.view(-1), flat, group=group, async_op=a), False)
+    return out
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Sums ``tensor`` in place over ``group`` (synchronously)."""
+    if group is not None:
+        _issue(group, lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=a), False)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Maximum of ``tensor`` in place over ``group`` (synchronously)."""
+    if group is not None:
+        _issue(group, lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=a), False)
+    return tensor
+
+
+def start_all_reduce_max(tensor: torch.Tensor, group: ProcessGroup | None) -> Collective:
+    """Starts the maximum of ``tensor`` in place over ``group``; ``wait()`` the result before reading it."""
+    if group is None:
+        return Collective(tensor, None)
+    work = _issue(group, lambda a: dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=a), True)
+    return Collective(tensor, work)
+
+
+_PACK_ALIGN = 16  # bytes: every packed tensor starts where any dtype may be viewed
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, src_rank: int = 0) -> None:
+    """Copies ``tensors`` (any dtypes, one device) from group rank ``src_rank`` to every rank with one collective.
+
+    The tensors' bytes are packed into one ``uint8`` buffer (each at a 16-byte aligned
+    offset), broadcast, and unpacked on the receiving ranks.
+    """
+    if group is None or not tensors:
+        return
+    if len(tensors) == 1 or len({t.device for t in tensors}) > 1:
+        broadcast_tensors(tensors, group, src_rank)
+        return
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+    packed = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    sender = dist.get_rank(group) == src_rank
+    if sender:
+        for t, offset in zip(tensors, offsets):
+            packed[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+    src = dist.get_global_rank(group, src_rank)
+    _issue(group, lambda a: dist.broadcast(packed, src=src, group=group, async_op=a), False)
+    if not sender:
+        for t, offset in zip(tensors, offsets):
+            t.copy_(packed[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], group: ProcessGroup | None, src_rank: int = 0) -> None:
+    """Copies ``tensors`` from group rank ``src_rank`` to every rank, in place."""
+    if group is None:
+        return
+    src = dist.get_global_rank(group, src_rank)
+    for t in tensors:
+        _issue(group, lambda a, t=t: dist.broadcast(t, src=src, group=group, async_op=a), False)

@@ -1,0 +1,947 @@
+"""The gradient side of :class:`~lightning_layerwise.LayerwiseDataParallel`: accumulate, reduce, hand out.
+
+:class:`GradientSync` is the part of the engine between the forward and the optimizer
+step: the gradient buffer each backward adds into (Note [in-place gradients]), the
+reduce-scatters dispatched in a fixed order as buckets complete (Note [bucket order] in
+``engine/data_parallel.py``), across the owner groups the reduce-scatter into chunks (Note
+[replica sharing] in ``layout/sharing.py``), the reduced gradient handed to what this rank
+steps (its units: whole parameters, pieces, float32 masters; Note [pieces] in
+``engine/data_parallel.py``, Note [gradient lifecycle]), and the collective reductions over it
+(finite check, norms). A split parameter's ``.grad`` marks that it has a gradient without
+holding one (Note [split gradients]). It is built from buckets, gradient slots and a process
+group alone, and holds all of that state; the wrapper composes it with the parameter side.
+
+Note [split gradients]
+    Under ``ddp`` every parameter that received a gradient has a ``.grad``, and code
+    relies on that: ``[p for p in model.parameters() if p.grad is not None]`` is how
+    many loops pick what to clip. Here a rank holds the reduced gradient only of what
+    it steps. A whole parameter's ``.grad`` exists on its owner, which is enough: the
+    owner decides whether it counts. A split parameter's gradient exists on no rank,
+    only in pieces, so without more it would be ``None`` everywhere and every such
+    filter would drop it (the parameters ended 0.06-0.28 away from ``ddp`` that way).
+    So on each rank that steps a piece of a split parameter that received a gradient,
+    the sync sets the parameter's ``.grad`` to a marker, :class:`~lightning_layerwise.engine.grad_sync.SplitGradient`:
+    a tensor whose metadata reads as the parameter's gradient's would (``is not
+    None``, shape, dtype, device) but which holds one element broadcast to that shape
+    and whose elements cannot be read: any operation on them raises
+    :class:`~lightning_layerwise.engine.grad_sync.SplitGradientError`, naming the parameter
+    and the ways to get what the reader wants (this rank's piece, a global norm,
+    ``elementwise_fill=False``). Returning partial values instead would be silently
+    wrong. ``zero_grad(set_to_none=False)`` passes (there is nothing to zero), and a
+    deep copy of the model carries ``None``. The gradient utilities count the parameter
+    through its piece (Note [parameter lists] in ``engine/clip.py``). A hook run before
+    autograd accumulates into the parameter restarts accumulation when it finds the
+    marker still there (a bare ``backward()`` after ``optimizer.zero_grad()``
+    cleared the pieces but not the marker), so autograd never adds into it.
+
+Note [gradient lifecycle]
+    Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
+    backward adds to them, whether or not it reduces, until the user clears them
+    (``optimizer.zero_grad()``). A rank holds the reduced gradient only of what it
+    steps, its *units* (:class:`GradUnit`: an owned whole parameter, or its piece
+    of a split one), so "adds to them" needs care: the buffer's own shard holds
+    the reduced sum so far, and every other element holds local gradients that
+    were already sent.
+
+    So each backward after a sync first *restarts accumulation*
+    (:meth:`LayerwiseDataParallel.prepare_backward`, which the strategies call
+    before every backward; the gradient hook and :meth:`finish_grad_sync` call it
+    when nobody did). A unit whose gradient is still held (the tensor the
+    optimizer steps, its float32 master where there is one, has a ``.grad``) is
+    *carried*: its reduced gradient is set aside (``.grad`` zeroed in place by
+    ``zero_grad(set_to_none=False)`` carries zero; a ``.grad`` the user replaced
+    carries its value). Then the buffer is zeroed and every ``.grad`` is set to
+    ``None``, so autograd never accumulates into a view of the reduced shard.
+    The next reducing backward reduces only the new local gradients, and the
+    carried ones are added back to the reduced shard after the reduction: every
+    rank sends exactly what ``ddp`` would, and the result is the sum of every
+    backward's mean gradient. When every unit was cleared (``zero_grad`` before
+    each step: the usual loop) nothing is carried and no memory is used for it.
+    :meth:`LayerwiseDataParallel.zero_grad_buffer` drops everything.
+
+    A bare ``loss.backward()`` that bypasses the strategy runs autograd before
+    anything can restart accumulation: the first parameter to receive a gradient
+    has it added into whatever ``.grad`` holds. That is harmless when its
+    ``.grad`` was cleared, and on several processes detected (an error naming the
+    fix) when it was still the gradient handed out. On one process the handed-out
+    gradient is the local one, so that add is plain accumulation: the sync's
+    restart carries it. Fabric refuses a bare ``backward`` anyway, and the
+    Trainer's hooks always go through the strategy.
+
+    Note [in-place gradients]: a restart before a backward makes each
+    parameter's slot of the zeroed buffer its ``.grad`` (where the buffer has the
+    parameter's dtype and the optimizer steps the parameter itself, not a piece
+    or a master), so autograd adds every gradient straight into the bucket, as
+    ``ddp``'s ``gradient_as_bucket_view`` does: no per-parameter copy, and the
+    hook only marks the bucket. Other parameters, and a ``.grad`` that arrives
+    as a new tensor, take the copy path. A new tensor where the slot was assigned
+    is the parameter's whole gradient since the restart (the user cleared or set
+    ``.grad``, as in plain autograd only what follows counts; or
+    ``backward(create_graph=True)`` summed out of place, already including the
+    slot), so it is copied, not added. After the sync every ``.grad`` but those
+    handed out is ``None`` again, so between steps nothing differs from the copy
+    path.
+
+    The ``.grad`` given is not a view of the buffer but an alias of the slot's
+    memory (``_GradRecord.grad``), with a version counter of its own: autograd's
+    in-place add bumps it. On one process, which reduces nothing, a parameter
+    whose gradient is added in place therefore needs no hook at all (a Python
+    hook costs about 1.3 µs per parameter in the call from autograd alone): the
+    sync (and ``grads_pending``) reads the counters to tell which parameters
+    received a gradient, and takes a ``.grad`` that is another tensor as the
+    copy path would. Hooks remain where they do work: on several processes
+    (bucket readiness, overlapped reduce-scatters, the errors below) and for
+    copy-path parameters (masters, other dtypes). So on one process a second
+    gradient in one backward (reentrant checkpointing) and a sparse gradient
+    just add into the slot, as plain autograd would; several processes refuse
+    them by name, since there a reduced bucket cannot take another gradient.
+
+    A unit whose optimizer-side tensor (a piece or a master) has
+    ``requires_grad=False`` gets no gradient, as the model parameter would not
+    under ``ddp``: ``LightningModule.toggle_optimizer`` switches off the tensors
+    the *optimizer* holds, and on ranks where those are pieces or masters the
+    model parameter itself keeps ``requires_grad=True``. Every rank then drops
+    its local gradient of that parameter, so the reduction stays consistent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from . import collectives
+from .buffers import Bucket, GradState
+from .waiter import Waiter
+from .read_guard import METADATA_FUNCTIONS, describe
+
+if TYPE_CHECKING:
+    from .data_parallel import LayerwiseDataParallel
+
+
+@dataclass(eq=False)
+class GradUnit:
+    """What this rank steps of one parameter, and where its reduced gradient lives (Note [gradient lifecycle])."""
+
+    param: nn.Parameter
+    """The model's parameter."""
+    tensor: nn.Parameter
+    """What the wrapper hands the gradient to: ``param`` itself (owned whole) or this rank's piece of it."""
+    slot: torch.Tensor
+    """Its elements of the grad buffer (the buffer's dtype): ``main_grad``."""
+    bucket: Bucket
+    record: "_GradRecord"
+    """The parameter's gradient record (what arrived this accumulation)."""
+    split: bool = False
+    """``tensor`` is a piece of a split parameter (Note [pieces] in ``engine/data_parallel.py``)."""
+    master: torch.Tensor | None = None
+    """A float32 master the optimizer steps in place of ``tensor`` (``bf16-true``), set by :meth:`set_master`."""
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        """The tensor the optimizer holds for this unit."""
+        return self.master if self.master is not None else self.tensor
+
+
+class _GradRecord:
+    """One parameter's gradient path and what arrived of it this accumulation, bound to its hook so the hook looks
+    nothing up (Note [in-place gradients]); flags here, not sets of parameters: a tensor hashes in Python."""
+
+    __slots__ = ("param", "view", "grad", "bucket", "inplace", "assigned", "version", "seen", "carried", "handed",
+                 "split_flag", "hook", "split_grad", "split_hook")
+
+    def __init__(self, param: nn.Parameter, view: torch.Tensor, bucket: Bucket) -> None:
+        self.param = param
+        self.view = view
+        """Its slot of the grad buffer, strided as the parameter."""
+        self.grad = _alias(view)
+        """The ``.grad`` autograd adds into: ``view``'s memory with a version counter of its own (a view shares its
+        buffer's), so an add into it shows in :attr:`version` without a hook."""
+        self.bucket = bucket
+        self.inplace = False
+        """Autograd may accumulate into ``grad`` (same dtype; the optimizer steps the parameter itself)."""
+        self.assigned = False
+        """``grad`` was made the parameter's ``.grad`` at the last restart (or since)."""
+        self.version = self.grad._version
+        """``grad._version`` when arrivals were last accounted for."""
+        self.seen = False
+        """A gradient arrived this accumulation."""
+        self.carried = False
+        """A reduced gradient was carried into this accumulation (Note [gradient lifecycle])."""
+        self.handed: torch.Tensor | None = None
+        """The ``.grad`` the last sync handed out (a parameter stepped whole)."""
+        self.split_flag: torch.Tensor | None = None
+        """Its element of the on-device flags of split parameters (Note [pieces] in ``engine/data_parallel.py``)."""
+        self.hook = None
+        """Its post-accumulate-grad hook's handle; ``None`` on one process where it adds in place."""
+        self.split_grad: SplitGradient | None = None
+        """A split parameter this rank steps a piece of: the ``.grad`` it is handed (Note [split gradients])."""
+        self.split_hook = None
+        """The handle of the hook that clears :attr:`split_grad` before autograd accumulates into it."""
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """A tensor on ``view``'s memory, not a view of anything: its version counter is its own."""
+    alias = torch.empty(0, dtype=view.dtype, device=view.device)
+    return alias.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
+
+
+class SplitGradientError(RuntimeError):
+    """The values of a split parameter's ``.grad`` were read (Note [split gradients])."""
+
+
+class SplitGradient(torch.Tensor):
+    """The ``.grad`` of a split parameter on a rank that steps a piece of it: see Note [split gradients].
+
+    Its metadata reads as a gradient's (shape, dtype, device, ``is not None``); any operation that would read
+    its elements raises :class:`SplitGradientError`. ``zero_`` and ``requires_grad_`` pass (``zero_grad``), and
+    a deep copy of it is ``None`` (a copied model carries no gradient it cannot read)."""
+
+    param_name: str = "a split parameter"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _SPLIT_GRAD_CLEARS:
+            return args[0]  # it holds no values to clear (one element, broadcast to the shape)
+        if func in _SPLIT_GRAD_PASSES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        if func is torch.Tensor.__deepcopy__:
+            return None
+        name = next((t.param_name for t in args if isinstance(t, SplitGradient)), cls.param_name)
+        raise SplitGradientError(
+            f"{describe(func)} read the gradient of {name!r}, which strategy='layerwise' splits across ranks "
+            "(element-wise fill): no rank holds all of it, so its .grad only marks that it has a gradient this step "
+            "(as `p.grad is not None` does under ddp). Read this rank's piece as wrapper.shard_of(param).grad, "
+            "take norms with torch.nn.utils.clip_grad_norm_ or lightning's grad_norm (both global under the "
+            "strategy), or keep the parameter whole with elementwise_fill=False.")
+
+
+def _split_grad_passes() -> frozenset:
+    """What a split gradient lets through: every attribute of a tensor but those that hand out its values
+    (``data``, ``real``, ``imag`` and the transposes), and the methods that read no element. torch.compile
+    inspects gradients this way when it (re)compiles."""
+    base = torch._C.TensorBase
+    values = {"data", "real", "imag", "T", "H", "mT", "mH"}
+    getters = {v.__get__ for n, v in base.__dict__.items()
+               if type(v).__name__ == "getset_descriptor" and n not in values}
+    reads = {"is_nonzero", "_is_all_true", "_is_any_true"}  # predicates on the values
+    names = {n for n in dir(base) if (n.startswith("is_") or n.startswith("_is_")) and n not in reads}
+    names |= {"detach_", "data_ptr", "untyped_storage", "storage_offset", "dim", "size", "stride", "numel",
+              "nelement", "element_size", "get_device", "__len__"}
+    methods = {getattr(owner, name) for owner in (base, torch.Tensor) for name in names if hasattr(owner, name)}
+    return METADATA_FUNCTIONS | getters | methods
+
+
+_SPLIT_GRAD_CLEARS = frozenset({torch.Tensor.zero_, torch._C.TensorBase.zero_})
+_SPLIT_GRAD_PASSES = _split_grad_passes()
+
+
+def _split_gradient(param: nn.Parameter, name: str) -> SplitGradient:
+    """A marker of ``param``'s shape, dtype and device, one element broadcast: it holds nothing to read."""
+    one = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
+    marker = torch.Tensor._make_subclass(SplitGradient, one)
+    marker.param_name = name
+    return marker
+
+
+_LIVE: dict[int, "weakref.ref[LayerwiseDataParallel]"] = {}
+"""``id(tensor)`` -> the live wrapper that trains it (its parameters, pieces and masters). Lets torch's
+gradient utilities find the wrapper behind the tensors they are given (``grad_utils.py``)."""
+
+
+def _forget(ref: "weakref.ref[LayerwiseDataParallel]") -> None:
+    """A wrapper was collected without :meth:`~LayerwiseDataParallel.release`: its entries in :data:`_LIVE` go too."""
+    for key in [key for key, value in _LIVE.items() if value is ref]:
+        del _LIVE[key]
+
+
+def any_live() -> bool:
+    """Whether some wrapper is alive (one dictionary test: the patched utilities' fast path)."""
+    return bool(_LIVE)
+
+
+def live_wrappers() -> list["LayerwiseDataParallel"]:
+    """Every wrapper with an entry in :data:`_LIVE` that is still alive."""
+    refs = {id(ref): ref for ref in list(_LIVE.values())}  # by identity: a dead weak reference cannot be hashed
+    return [w for w in (ref() for ref in refs.values()) if w is not None]
+
+
+def wrapper_of(tensor) -> "LayerwiseDataParallel | None":
+    """The live wrapper training ``tensor`` (a parameter in its layout, a piece or a master), else ``None``."""
+    ref = _LIVE.get(id(tensor))
+    return ref() if ref is not None else None
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same memory (one a view of the other, or equal)."""
+    return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+                      and a.stride() == b.stride())
+
+
+class GradientSync:
+    """Gradient accumulation, reduction and hand-out over a set of buckets.
+
+    Built from the buckets alone, without a module wrapper; it holds every piece of gradient state (records,
+    units, carried gradients, the split flags) and moves the buckets' gradient states through their own methods
+    (Note [bucket states] in ``engine/buffers.py``).
+
+    Args:
+        buckets: every bucket, in layout order; their parameters are the ones this side tracks.
+        flat_buffers: the buffers the buckets slice (zeroed together at each restart).
+        names: each parameter's name, for errors.
+        grad_views: each parameter's slot of its grad buffer, strided as the parameter.
+        owned: the parameters this rank steps whole.
+        split: every parameter stepped in pieces (Note [pieces] in ``engine/data_parallel.py``), on every rank.
+        pieces: this rank's piece of each split parameter it steps, and the piece's slot of the grad buffer.
+        waiter: waits (errors, timing, tracing) shared with the parameter side.
+        groups: the process groups; ``layout_group``: the group whose ranks own the dense pieces.
+        experts: the names of expert parameters; ``expert_parallel_size``: ranks holding different experts.
+        overlap_grad_reduce: dispatch a bucket's reduce-scatter as soon as its gradients are complete.
+        before_reduce: called before the reductions are completed (the parameter side finishes its gathers).
+    """
+
+    def __init__(self, buckets: list[Bucket], flat_buffers: list, names: dict[nn.Parameter, str],
+                 grad_views: dict[nn.Parameter, torch.Tensor], owned: set, split: list[nn.Parameter],
+                 pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor]], waiter: Waiter, *, groups,
+                 layout_group=None, experts: frozenset = frozenset(), expert_parallel_size: int = 1,
+                 overlap_grad_reduce: bool = True, before_reduce: Callable[[], None] = lambda: None) -> None:
+        self._buckets, self._flat_buffers, self._param_names = buckets, flat_buffers, names
+        self.waiter, self.process_groups, self.layout_group = waiter, groups, layout_group
+        self.expert_parallel_size, self.overlap_grad_reduce = expert_parallel_size, overlap_grad_reduce
+        self._before_reduce = before_reduce
+        self._bucket_of = {p: b for b in buckets for p in b.params}
+        self._gather_order = sorted(buckets, key=lambda b: b.first_param)
+        self._reduce_order = list(reversed(self._gather_order))
+        self._pieces = {p: piece for p, (piece, _) in pieces.items()}
+        # Whether each split parameter got a gradient here this step, kept on the device so that agreeing on it
+        # (Note [pieces] in ``engine/data_parallel.py``) needs no host transfer; set by the gradient hook, zeroed with
+        # the buffers.
+        self._split_by_group = [(ps, group) for ps, group in (
+            ([p for p in split if names[p] not in experts], groups.dp),
+            ([p for p in split if names[p] in experts], groups.expert_group)) if ps]
+        self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
+        self._flag_reduces: list[collectives.Collective] = []  # their all-reduces in flight, one per group
+        # a clipping list's vote not read yet (on an accelerator; Note [parameter lists] in ``engine/clip.py``)
+        self._list_verdict = None
+        self._micro_batch_is_last = True
+        self._grads_handed_out = False
+        self._any_seen = False  # a gradient arrived this accumulation (per parameter: _GradRecord.seen)
+        self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
+        # What this rank steps, in registration order (Note [gradient lifecycle]).
+        self._records = {p: _GradRecord(p, grad_views[p], self._bucket_of[p]) for p in names}
+        for (ps, _), flags in zip(self._split_by_group, self._split_flags):
+            for i, p in enumerate(ps):
+                self._records[p].split_flag = flags[i]
+        self._units = [GradUnit(p, p, grad_views[p], self._bucket_of[p], self._records[p]) if p in owned else
+                       GradUnit(p, pieces[p][0], pieces[p][1], self._bucket_of[p], self._records[p], split=True)
+                       for p in names if p in owned or p in pieces]
+        self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
+        self._unit_of.update((u.param, u) for u in self._units)
+        self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
+        self._unhooked: list[_GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
+        self._refresh_stepped_apart()  # registers the gradient hooks
+        self._mark_split_gradients()
+        self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
+        self._grad_storages = {flat.grads.untyped_storage().data_ptr() for flat in flat_buffers}
+        self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
+
+    def _device(self) -> torch.device:
+        return self._flat_buffers[0].grads.device
+
+    @property
+    def reduces_on_backward(self) -> bool:
+        """False inside :meth:`no_sync`: backward then only accumulates locally."""
+        return self._micro_batch_is_last
+
+    @property
+    def grads_pending(self) -> bool:
+        """True between a backward that only accumulated (inside :meth:`no_sync`) and the reducing one:
+        gradients exist that :meth:`finish` has not reduced, so no optimizer may step yet."""
+        if self._grads_handed_out:
+            return False
+        self._collect_unhooked()
+        return self._any_seen
+
+    def release(self, wait: bool = True) -> None:
+        """Waits for (``wait``) or abandons the reductions in flight, removes every hook and gradient this side
+        gave, and gives the pieces their own storage; the buffers are not used afterwards."""
+        if wait:
+            self._wait_pending_reduces()  # no collective may still read or write the buffers freed by the caller
+        else:
+            self._flag_reduces = []
+            for bucket in self._buckets:
+                bucket.abandon()
+        for rec in self._records.values():
+            for handle in (rec.hook, rec.split_hook):
+                if handle is not None:
+                    handle.remove()
+            rec.hook = rec.split_hook = rec.split_grad = None
+        self._unhooked = []
+        with torch.no_grad():
+            for p in self._param_names:
+                p.grad = None
+                if hasattr(p, "main_grad"):
+                    del p.main_grad
+            for shard in self._pieces.values():
+                shard.grad = None
+                shard.data = shard.data.clone()  # no longer a view of the freed buffer
+        self._units, self._unit_of, self._stepped_apart, self._carry = [], {}, {}, []
+        self._grads_handed_out = False
+        if wait:
+            self.resolve_list_votes()  # a disagreement raises after the rest is released
+        self._list_verdict = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the next one outside reduces the sum."""
+        previous = self._micro_batch_is_last
+        self._micro_batch_is_last = False
+        try:
+            yield
+        finally:
+            self._micro_batch_is_last = previous
+
+    def zero_grad_buffer(self) -> None:
+        """Drops every gradient: zeros the gradient buffers and sets every ``.grad`` this wrapper gave to ``None``.
+
+        A reduce-scatter still in flight (a step abandoned after its backward) is waited
+        for first: its collective reads and writes the buffer being zeroed.
+        """
+        self._restart_accumulation(carry=False, assign=False)
+
+    def prepare_backward(self) -> None:
+        """Call before a backward: after a sync, restarts accumulation (Note [gradient lifecycle]).
+
+        Gradients still held (their optimizer tensor has a ``.grad``) are carried into the next
+        reduction; cleared ones are dropped. A no-op while gradients accumulate. The strategies call
+        it before every backward; without it the gradient hook does, after the first gradient arrived
+        (on one process, where in-place gradients have no hook, the sync does).
+        """
+        if self._grads_handed_out:
+            self._restart_accumulation(carry=True)
+
+    def _restart_accumulation(self, carry: bool, assign: bool = True) -> None:
+        """``assign``: a backward follows, so the slots become the ``.grad`` it adds into (Note [in-place
+        gradients]); otherwise every ``.grad`` is ``None``."""
+        self._wait_pending_reduces()
+        carried: list[GradUnit] = []
+        if carry and self._grads_handed_out:
+            for unit in self._units:
+                grad = unit.stepped.grad
+                if grad is None:
+                    continue
+                if not _same_memory(grad, unit.slot):  # a copy in another dtype, or a tensor the user set
+                    with torch.no_grad():
+                        unit.slot.copy_(grad)
+                carried.append(unit)
+        self._carry = []
+        if carried:
+            keep = {id(u) for u in carried}
+            for bucket in {u.bucket: None for u in carried}:
+                own = self.own_shard(bucket)
+                for unit in self._units:
+                    if unit.bucket is bucket and id(unit) not in keep:
+                        unit.slot.zero_()  # a cleared gradient is not carried
+                self._carry.append((own, own.clone()))
+        for p, rec in self._records.items():
+            # Note [in-place gradients]: autograd adds the next gradients straight into the (zeroed) slot.
+            rec.assigned = assign and rec.inplace and p.requires_grad
+            p.grad = rec.grad if rec.assigned else None
+            rec.version = rec.grad._version
+            rec.seen = rec.carried = False
+            rec.handed = None
+            if hasattr(p, "main_grad"):
+                del p.main_grad
+        for unit in carried:
+            unit.record.carried = True
+        for unit in self._stepped_apart.values():  # pieces and masters: the other units are parameters
+            for t in (unit.tensor, unit.master):
+                if t is not None and t is not unit.param:
+                    t.grad = None
+                    if hasattr(t, "main_grad"):
+                        del t.main_grad
+        self._copies.clear()
+        for flat in self._flat_buffers:
+            flat.grads.zero_()
+        for b in self._buckets:
+            b.restart()
+        self._next_reduce = 0
+        self._grads_handed_out = False
+        self._any_seen = False
+        for flags in self._split_flags:
+            flags.zero_()
+        for unit in carried:
+            flag = unit.record.split_flag
+            if flag is not None:
+                flag.fill_(1.0)  # a carried piece: the parameter has a gradient this step on every rank
+
+    def _wait_pending_reduces(self) -> None:
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self.waiter.wait(bucket.reduce, "reduce_scatter")
+                bucket.reduce = None
+        for flags_reduce in self._flag_reduces:  # the flags are zeroed next: their all-reduce must have landed
+            self.waiter.wait(flags_reduce, "split_flags")
+        self._flag_reduces = []
+
+    def _collect_unhooked(self) -> None:
+        """Accounts for the gradients autograd added, unhooked, into the slots since the last call (one process;
+        Note [in-place gradients]): an add bumped the slot alias's version counter; a ``.grad`` that is another
+        tensor (cleared or replaced since the restart, or ``backward(create_graph=True)``'s out-of-place sum,
+        which already holds the slot) is the parameter's whole gradient this accumulation, copied in."""
+        arrived = False
+        with torch._C.DisableTorchFunctionSubclass():  # .grad of a guarded parameter without its Python hook
+            for rec in self._unhooked:
+                param, alias = rec.param, rec.grad
+                grad = param.grad
+                if grad is not alias and grad is not None:
+                    with torch.no_grad():
+                        if rec.assigned:
+                            rec.view.copy_(grad)
+                        else:
+                            rec.view.add_(grad)
+                    rec.assigned = param.requires_grad
+                    param.grad = alias if rec.assigned else None
+                elif alias._version == rec.version:
+                    continue
+                rec.version = alias._version
+                rec.seen = arrived = True
+        if arrived:
+            self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
+
+    def _before_split_accumulation(self, grad: torch.Tensor, rec: _GradRecord) -> None:
+        """A hook on a split parameter, run before autograd adds ``grad`` into its ``.grad``: a marker still
+        there from the last sync is no gradient to add to, so accumulation restarts first (Note [split
+        gradients])."""
+        if rec.param.grad is rec.split_grad:
+            self.prepare_backward()
+
+    def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord) -> None:
+        grad = param.grad
+        in_place = grad is rec.grad and rec.assigned  # autograd added into the slot (Note [in-place gradients])
+        if not in_place:
+            param.grad = None  # autograd must never accumulate into a gradient the wrapper handed out
+        if self._grads_handed_out:
+            if grad is not None and grad is rec.handed:
+                raise RuntimeError(
+                    f"a backward started while {self._param_names[param]!r} still held the gradient of the last "
+                    "sync, without the strategy's backward (fabric.backward, self.manual_backward) or "
+                    "wrapper.prepare_backward() before it, so autograd added the new gradient into the reduced "
+                    "one. Run backward through the strategy, call wrapper.prepare_backward() before "
+                    "loss.backward(), or clear the gradients first (optimizer.zero_grad())."
+                )
+            self.prepare_backward()
+            rec.assigned = False  # this gradient arrived before the restart, into no slot
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"{self._param_names[param]!r} received a sparse gradient (an embedding looked up with "
+                "sparse=True); strategy='layerwise' reduces dense gradient buckets. Use sparse=False.")
+        if not rec.inplace:
+            apart = self._stepped_apart.get(param)
+            if apart is not None and not apart.stepped.requires_grad:
+                # Switched off on the optimizer's tensor (toggle_optimizer): see Note [gradient lifecycle].
+                return
+        bucket = rec.bucket
+        if bucket.grad_state is not GradState.ACCUMULATING:
+            name = self._param_names[param]
+            raise RuntimeError(
+                f"a gradient for {name!r} arrived after its bucket was reduced in the same backward (a "
+                "reentrant activation checkpoint, or a second backward inside one); use non-reentrant "
+                "checkpointing (use_reentrant=False)."
+            )
+        if not rec.seen:
+            rec.seen = True
+            if not self._any_seen:
+                self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
+            if rec.split_flag is not None:
+                rec.split_flag.fill_(1.0)
+        if not in_place:
+            view = rec.view
+            if rec.assigned:
+                # .grad was replaced since the slot was assigned (cleared, set by the user, or the out-of-place
+                # sum of backward(create_graph=True), which already holds the slot): it is the whole gradient.
+                view.copy_(grad.detach())
+            else:
+                view.add_(grad)
+            rec.assigned = rec.inplace and param.requires_grad
+            if rec.assigned:
+                param.grad = rec.grad  # later backward passes of this accumulation add in place
+        if not self._micro_batch_is_last:
+            return
+        bucket.ready.add(id(param))
+        if self.overlap_grad_reduce and bucket.complete:
+            self._dispatch_ready_reduces()
+
+    def _dispatch_ready_reduces(self, force: bool = False) -> None:
+        """Dispatches reduce-scatters in the fixed order, up to the first bucket not yet complete."""
+        while self._next_reduce < len(self._reduce_order):
+            bucket = self._reduce_order[self._next_reduce]
+            if not force and not bucket.complete:
+                return
+            self._dispatch_reduce(bucket)
+            self._next_reduce += 1
+
+    def _dispatch_reduce(self, bucket: Bucket) -> None:
+        bucket.start_reduce()
+        self.waiter.trace("rs_dispatch", bucket)
+
+    def finish(self) -> None:
+        """Waits for every reduce-scatter, then hands owned parameters their reduced gradient.
+
+        Buckets never completed during backward (unused parameters, no overlap)
+        are dispatched first, in order. Afterwards each owned parameter's
+        ``.grad`` (and ``.main_grad``, the buffer-dtype view) is a view of the
+        reduced shard, plus any gradient carried from before (Note [gradient
+        lifecycle]); every other parameter's ``.grad`` is ``None``.
+        """
+        self.prepare_backward()  # a reducing backward that gave this rank no gradient still takes part
+        self._collect_unhooked()
+        self._before_reduce()
+        self._dispatch_ready_reduces(force=True)
+        # Note [pieces] in ``engine/data_parallel.py``: which split parameters got a gradient anywhere, behind the
+        # reduce-scatters' waits.
+        self._flag_reduces = [collectives.start_all_reduce_max(flags, group)
+                              for (_, group), flags in zip(self._split_by_group, self._split_flags)]
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self.waiter.wait(bucket.reduce, "reduce_scatter")
+                bucket.reduce = None
+                self.waiter.trace("rs_wait", bucket)
+            if bucket.chunks is not None:
+                bucket.start_replica_reduce()
+                self.waiter.trace("replica_rs_dispatch", bucket)
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
+                bucket.reduce = None
+                self.waiter.trace("replica_rs_wait", bucket)
+            if bucket.expert:
+                # Note [expert parallelism] in ``engine/process_groups.py``: the expert data-parallel mean, over the E
+                # ranks that sent tokens.
+                self.own_shard(bucket).div_(self.expert_parallel_size)
+            bucket.finish_reduce()
+        for own, carried in self._carry:
+            own.add_(carried)
+        self._carry = []
+        used = self._split_parameters_used()
+        for param, rec in self._records.items():
+            param.grad = None
+            rec.assigned = False
+        for unit in self._units:
+            rec = unit.record
+            if unit.split:
+                if not used[unit.param]:
+                    continue
+            elif not rec.seen and not rec.carried and not unit.slot.any():
+                # Unused on every rank: no gradient, as without the wrapper (an optimizer
+                # must not decay or add momentum to a parameter the loss never touched).
+                continue
+            self._hand_out(unit)
+        self._grads_handed_out = True
+
+    def _hand_out(self, unit: GradUnit) -> None:
+        """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;
+        its master (if any) the same gradient in float32."""
+        slot, tensor = unit.slot, unit.tensor
+        if unit.split:  # Note [split gradients]
+            unit.param.grad = unit.record.handed = unit.record.split_grad
+        tensor.main_grad = slot
+        tensor.grad = slot if slot.dtype == tensor.dtype else slot.to(tensor.dtype)
+        if tensor is unit.param:
+            unit.record.handed = tensor.grad
+        if slot.dtype != tensor.dtype:
+            self._copies.add(id(tensor.grad))
+        if unit.master is not None:
+            unit.master.grad = slot if slot.dtype == torch.float32 else slot.float()
+            if slot.dtype != torch.float32:
+                self._copies.add(id(unit.master.grad))
+
+    # --- the optimizer's side of each unit ----------------------------------------------------------
+    def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
+        """Declares ``master`` the tensor the optimizer steps for ``tensor`` (an owned parameter or piece):
+        it gets the reduced gradient in float32 at each sync (``bf16-true``, :class:`MasterWeights`)."""
+        unit = self._unit_of[tensor]
+        unit.master = master
+        self._unit_of[master] = unit
+        self._refresh_stepped_apart()
+
+    def _mark_split_gradients(self) -> None:
+        """Each split parameter this rank steps a piece of gets its ``.grad`` marker and the hook that clears it
+        (Note [split gradients])."""
+        for unit in self._units:
+            if unit.split:
+                rec = unit.record
+                rec.split_grad = _split_gradient(unit.param, self._param_names[unit.param])
+                rec.split_hook = unit.param.register_hook(functools.partial(self._before_split_accumulation, rec=rec))
+
+    def _refresh_stepped_apart(self) -> None:
+        """Which parameters' gradients autograd adds in place, and which need the gradient hook for that."""
+        self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
+        for p, rec in self._records.items():
+            rec.inplace = rec.view.dtype == p.dtype and p not in self._stepped_apart
+            # Note [in-place gradients]: one process reduces nothing, so an in-place gradient needs no hook.
+            hooked = not (rec.inplace and self.process_groups.dp is None)
+            if hooked and rec.hook is None:
+                rec.hook = p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, rec=rec))
+            elif not hooked and rec.hook is not None:
+                rec.hook.remove()
+                rec.hook = None
+        self._unhooked = [rec for rec in self._records.values() if rec.hook is None]
+
+    def owns(self, param: nn.Parameter) -> bool:
+        """Whether this rank steps all of ``param``."""
+        unit = self._unit_of.get(param)
+        return unit is not None and unit.param is param and not unit.split
+
+    def piece(self, param: nn.Parameter) -> nn.Parameter | None:
+        """This rank's piece of split parameter ``param`` (Note [pieces] in ``engine/data_parallel.py``), or
+        ``None``."""
+        return self._pieces.get(param)
+
+    @property
+    def pieces(self) -> dict[nn.Parameter, nn.Parameter]:
+        """Each split parameter this rank steps a piece of, and that piece."""
+        return dict(self._pieces)
+
+    def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
+        if not self._grads_handed_out:
+            return False
+        return isinstance(tensor, SplitGradient) or id(tensor) in self._copies \
+            or tensor.untyped_storage().data_ptr() in self._grad_storages
+
+    def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
+        """``param.grad`` was cleared: clear the gradient of the tensor the optimizer holds in its place (a piece,
+        a master), as ``optimizer.zero_grad`` would (Note [gradient lifecycle])."""
+        unit = self._stepped_apart.get(param)
+        if unit is None:
+            return
+        stepped = unit.stepped
+        if stepped.grad is None:
+            return
+        if set_to_none:
+            stepped.grad = None
+        else:
+            stepped.grad.requires_grad_(False)
+            stepped.grad.zero_()
+
+    def is_expert(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is an expert parameter reduced over its expert data-parallel group."""
+        bucket = self._bucket_of.get(param)
+        return bucket is not None and bucket.expert
+
+    def unit_of(self, tensor: torch.Tensor) -> GradUnit | None:
+        """What this rank steps of ``tensor`` (a parameter, a piece or a master), or ``None`` if nothing."""
+        return self._unit_of.get(tensor)
+
+    def owns_tensor(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one this wrapper trains: a parameter in its layout, a piece or a master."""
+        return tensor in self._param_names or tensor in self._unit_of
+
+    @property
+    def grads_synced(self) -> bool:
+        """True from :meth:`finish` until the next backward restarts accumulation."""
+        return self._grads_handed_out
+
+    def buckets_of(self, tensors) -> list[Bucket]:
+        """The buckets holding any of ``tensors`` (parameters, pieces or masters), in all-gather order."""
+        wanted = set()
+        for t in tensors:
+            bucket = self._bucket_of.get(t)
+            if bucket is None:
+                unit = self._unit_of.get(t)
+                bucket = unit.bucket if unit is not None else None
+            if bucket is not None:
+                wanted.add(id(bucket))
+        return [b for b in self._gather_order if id(b) in wanted]
+
+    def _split_parameters_used(self) -> dict[nn.Parameter, bool]:
+        """Whether each split parameter got a gradient on any rank this step (one small all-reduce, started by
+        :meth:`finish` before it waits for the reduce-scatters).
+
+        A piece's own gradient may be zero while the parameter was used (an embedding's
+        rows no token looked up), so every piece follows the whole parameter: all of its
+        pieces are stepped or none, as one process would step it or not.
+        """
+        used = {}
+        for (params, _), flags, flags_reduce in zip(self._split_by_group, self._split_flags, self._flag_reduces):
+            # experts: only their expert data-parallel ranks hold them
+            if all(self._records[p].seen for p in params):
+                # A maximum is 1 where ours is: no read back and no wait (the next restart waits).
+                used.update((p, True) for p in params)
+            else:
+                self.waiter.wait(flags_reduce, "split_flags")
+                used.update(zip(params, flags.bool().tolist()))
+        return used
+
+    def own_shard(self, bucket: Bucket) -> torch.Tensor:
+        """What this rank steps of ``bucket``'s gradient (its shard, or its chunk of it with replica sharing):
+        after the sync, the mean over every rank."""
+        begin, end = bucket.stepped_range
+        return bucket.grad_data[begin:end]
+
+    def grads_are_finite(self) -> bool:
+        """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish`).
+
+        Each rank checks its own shards (every gradient element lies in exactly one),
+        so all ranks return the same verdict.
+        """
+        device = self._device()
+        bad = torch.zeros((), dtype=torch.float32, device=device)
+        for bucket in self._buckets:
+            bad = torch.maximum(bad, (~torch.isfinite(self.own_shard(bucket))).any().float())
+        collectives.all_reduce_max(bad, self.process_groups.dp)
+        return not bool(bad.item())
+
+    def grad_norm_squared(self) -> torch.Tensor:
+        """Sum of squares of the full reduced gradient, from owned shards (one all-reduce).
+
+        Valid after :meth:`finish`. The shards hold exactly the owned
+        parameters' gradients plus zero padding, so no per-parameter loop is needed.
+        """
+        return self.shard_sum(lambda shard: shard.float().square().sum())
+
+    # --- lists of parameters (clipping) --------------------------------------------------------------------
+    def layout_parameter_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
+        """The model parameter ``tensor`` is, or is this rank's piece or master of; ``None`` outside the layout."""
+        if tensor in self._param_names:
+            return tensor
+        unit = self._unit_of.get(tensor)
+        return unit.param if unit is not None else None
+
+    @property
+    def owned_units(self) -> list[GradUnit]:
+        """Everything this rank steps, in registration order (Note [gradient lifecycle])."""
+        return self._units
+
+    def units_of(self, tensors) -> list[GradUnit]:
+        """What this rank steps of ``tensors`` (parameters, pieces or masters; each unit once, in list order)."""
+        return self._units_listed(tensors)[0]
+
+    def _units_listed(self, tensors) -> tuple[list[GradUnit], set]:
+        units, seen, listed = [], set(), set()
+        for t in tensors:
+            param = self.layout_parameter_of(t)
+            if param is None:
+                continue
+            listed.add(param)
+            unit = self._unit_of.get(param)
+            if unit is not None and id(unit) not in seen:
+                seen.add(id(unit))
+                units.append(unit)
+        return units, listed
+
+    def units_and_votes(self, tensors) -> tuple[list[GradUnit], torch.Tensor]:
+        """:meth:`units_of` ``tensors`` and this rank's vote on the list, to be summed (or maximized) over the
+        data-parallel group and read by :meth:`check_list_votes` (Note [parameter lists] in ``engine/clip.py``)."""
+        units, listed = self._units_listed(tensors)
+        voters = self._list_voters()
+        listed_mask = torch.tensor([p in listed for p in voters], dtype=torch.bool)
+        holds = self._holds_mask
+        # row 0: this rank holds the parameter's gradient and left it out; row 1: this rank named it
+        votes = torch.cat([holds & ~listed_mask, listed_mask]).float()
+        return units, votes.to(self._device())
+
+    def check_list_votes(self, votes: torch.Tensor, what: str) -> None:
+        """Raises, on every rank alike, if the summed votes of :meth:`units_and_votes` show a parameter named on
+        some ranks and left out by a rank that holds its gradient (Note [parameter lists] in ``engine/clip.py``).
+
+        On CPU at once. On an accelerator the verdict is copied to the host without waiting and read at the next
+        call, or at :meth:`release`: reading it now would stop the host until the step's backward and this
+        all-reduce ran, every step, for a check that nearly always passes.
+        """
+        self.resolve_list_votes()
+        n = len(self._list_voters())
+        if n == 0:
+            return
+        bad = (votes[:n] > 0) & (votes[n:] > 0)
+        if bad.device.type == "cpu":
+            self._raise_for_votes(bad, what)
+            return
+        verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+        verdict.copy_(bad.any(), non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+        self._list_verdict = (bad, verdict, landed, what)
+
+    def resolve_list_votes(self) -> None:
+        """Reads a verdict :meth:`check_list_votes` left on an accelerator, raising as it would have."""
+        pending, self._list_verdict = self._list_verdict, None
+        if pending is not None:
+            bad, verdict, landed, what = pending
+            landed.synchronize()  # the last call's work only: long done by the next one
+            if bool(verdict):
+                self._raise_for_votes(bad, what)
+
+    def _raise_for_votes(self, bad: torch.Tensor, what: str) -> None:
+        wrong = bad.nonzero().flatten().tolist()
+        if not wrong:
+            return
+        voters = self._list_voters()
+        names = [self._param_names[voters[i]] for i in wrong[:3]]
+        raise ValueError(
+            f"{what} was given different parameters on different ranks: {names}{' and more' if len(wrong) > 3 else ''} "
+            "are in the list on some ranks but left out on a rank that holds their gradient. Under "
+            "strategy='layerwise' a rank holds the reduced gradient only of what it steps, so the list must name "
+            "the same parameters on every rank: model.parameters(), a fixed part such as "
+            "model.decoder.parameters(), or either filtered by `p.grad is not None` (which this strategy keeps "
+            "consistent).")
+
+    def _list_voters(self) -> list[nn.Parameter]:
+        """The layout parameters a list is voted on, in layout order (the same on every rank): the dense ones;
+        an expert parameter is a different tensor on each expert-parallel rank."""
+        voters = getattr(self, "_voters", None)
+        if voters is None:
+            voters = [p for p in self._param_names if not self.is_expert(p)]
+            self._voters = voters
+            self._holds_mask = torch.tensor([p in self._unit_of for p in voters], dtype=torch.bool)
+        return voters
+
+    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None,
+                  extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element.
+
+        Each owner group holds the dense gradient once (with replica sharing, the world does: each
+        element in the chunk of one rank); each expert element lies in the shard of one rank of its
+        expert data-parallel group, and those groups cover every rank.
+        ``units`` (each rank its own, :meth:`unit_of`): sum ``fn`` of those units' gradients
+        instead of whole shards, i.e. the part of the gradient a set of parameters holds.
+        ``extra`` (float32, on the buffers' device) is summed over the data-parallel group in the same
+        all-reduce, in place. Collective (one all-reduce, two with expert parallelism).
+        """
+        # timed as "norm_all_reduce" (Note [timing communication waits] in ``engine/waiter.py``)
+        t0 = time.perf_counter()
+        device = self._device()
+        dense = torch.zeros((), dtype=torch.float32, device=device)
+        expert = torch.zeros((), dtype=torch.float32, device=device)
+        parts = ((self.own_shard(b), b.expert) for b in self._buckets) if units is None \
+            else ((u.slot, u.bucket.expert) for u in units)
+        for tensor, is_expert in parts:
+            value = fn(tensor).to(device)
+            if is_expert:
+                expert += value
+            else:
+                dense += value
+        # the layout group spans the data-parallel group (Note [replica sharing] in ``layout/sharing.py``)
+        if extra is not None:
+            payload = collectives.all_reduce_sum(torch.cat([dense.reshape(1), extra]), self.layout_group)
+            dense = payload[0]
+            extra.copy_(payload[1:])
+        else:
+            collectives.all_reduce_sum(dense, self.layout_group)
+        if self.expert_parallel_size > 1:
+            collectives.all_reduce_sum(expert, self.process_groups.dp)
+            dense += expert
+        if self.waiter.seconds is not None:
+            self.waiter.add("norm_all_reduce", t0)
+        return dense

@@ -1,0 +1,339 @@
+"""torch's and Lightning's gradient utilities, global over sharded gradients.
+
+Note [gradient utilities]
+    Under the wrapper a rank holds the reduced gradient only of what it steps, so
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the most
+    common clipping line in plain PyTorch, would compute a different norm on every
+    rank (the norm of its own shards) and clip each rank's gradients by a different
+    factor. Lightning's ``grad_norm`` logging utility would log this rank's part.
+    ``ddp`` users expect both to just work, so while a :class:`GradientUtilities` hold
+    is alive (a session holds one from ``wrap`` to ``release``; a hand-built
+    wrapper's loop takes one with ``with lightning_layerwise.gradient_utilities():``)
+    these functions see through the sharding:
+
+    * ``clip_grad_norm_`` over parameters the wrapper trains computes the norm of
+      their *full* gradient (one all-reduce, Note [norm from shards] in ``engine/clip.py``)
+      and scales every rank's owned part by the same coefficient: the one-process
+      result. It is collective, as everything in a data-parallel step is: every rank
+      calls it, as every ``ddp`` rank does.
+    * ``clip_grads_with_norm_`` and ``clip_grad_value_`` act on the owned gradients,
+      masters and gradient copies included (element-wise given the norm, so local).
+    * Lightning's ``grad_norm(module, norm_type)`` returns the norm of each
+      parameter's full gradient and their total, with the keys ``ddp`` gives: one
+      all-reduce of one number per parameter. Collective too.
+    * ``get_total_norm(tensors)`` takes gradients, not parameters: a rank that owns
+      none of them is handed an empty list and cannot know it should take part in a
+      collective. Given a gradient the wrapper handed out it raises, naming
+      ``clip_grad_norm_(params, float("inf"))`` (which returns the global norm and
+      scales by 1) and :func:`lightning_layerwise.grad_norm`.
+    * ``nn.Module.zero_grad`` also clears what the optimizer holds for the module's
+      parameters where that is not the parameter itself (a piece of a split
+      parameter, a float32 master), so ``model.zero_grad()`` clears gradients as
+      ``optimizer.zero_grad()`` does (Note [gradient lifecycle] in
+      ``engine/grad_sync.py``).
+
+    Anything else passes straight to the original function: a call that involves no
+    live wrapper's tensors costs one dictionary test. Nothing is patched by importing
+    the package or by building the engine: the first hold installs the patches, the
+    last one to be released (or garbage-collected) puts every original back
+    (:func:`patched_functions` lists them). Names bound before the package
+    was imported (``from torch.nn.utils import clip_grad_norm_``) are covered as
+    well: torch's functions are replaced behind their ``no_grad`` wrapper (the
+    closure cell holding the implementation), Lightning's ``grad_norm`` by its code
+    object, and ``zero_grad`` on the ``nn.Module`` class.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import clip
+from . import collectives
+from .data_parallel import LayerwiseDataParallel
+from .grad_sync import _LIVE, live_wrappers, wrapper_of
+
+_ORIGINAL: dict[str, Callable] = {}
+_UNDO: list[Callable[[], None]] = []  # what puts the originals back, in the order of installing
+_EXTRA: list[tuple[Callable[[], Callable[[], None]], str]] = []  # an adapter's patches: (install -> undo, what)
+_users = 0  # live holders of the patches (Note [gradient utilities]: patched while one is alive)
+
+
+def register_patch(install: Callable[[], Callable[[], None]], what: str) -> None:
+    """Adds a patch installed and removed with torch's (the Lightning adapter's ``grad_norm``): ``install()``
+    patches and returns the function that undoes it. Registering patches nothing."""
+    _EXTRA.append((install, what))
+    if _users:  # registered while patched: in place until the last holder lets go, as the others
+        _UNDO.append(install())
+
+
+def patched_functions() -> list[str]:
+    """What is patched while a holder is alive, by qualified name (the list ``docs/usage.md`` gives)."""
+    names = [f"torch.nn.utils.{name}" for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm",
+                                                  "clip_grads_with_norm_")]
+    return names + ["torch.nn.Module.zero_grad"] + [what for _, what in _EXTRA]
+
+
+class GradientUtilities:
+    """A hold on the patches of Note [gradient utilities]: installed with the first live hold, removed with the
+    last. :class:`~lightning_layerwise.LayerwiseSession` holds one from :meth:`wrap` to :meth:`release`; a loop
+    that builds :class:`LayerwiseDataParallel` itself takes one as a context manager::
+
+        with lightning_layerwise.gradient_utilities():
+            ...  # torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) clips by the global norm
+
+    :meth:`release` is idempotent, and a hold that is garbage-collected releases itself.
+    """
+
+    def __init__(self) -> None:
+        global _users
+        if _users == 0:
+            _install()
+        _users += 1
+        self._finalizer = weakref.finalize(self, _let_go)
+
+    def release(self) -> None:
+        self._finalizer()
+
+    @property
+    def held(self) -> bool:
+        return self._finalizer.alive
+
+    def __enter__(self) -> "GradientUtilities":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def gradient_utilities() -> GradientUtilities:
+    """A hold on the patched gradient utilities (Note [gradient utilities]); see :class:`GradientUtilities`."""
+    return GradientUtilities()
+
+
+def installed() -> bool:
+    """Whether the patches are in place (some hold is alive)."""
+    return _users > 0
+
+
+def _let_go() -> None:
+    global _users
+    _users -= 1
+    if _users == 0:
+        while _UNDO:
+            _UNDO.pop()()
+
+
+def _install() -> None:
+    """Puts the sharding-aware versions in place; see Note [gradient utilities]."""
+    from torch.nn.utils import clip_grad as torch_clip
+
+    for name, replacement in (("clip_grad_norm_", _clip_grad_norm_), ("clip_grad_value_", _clip_grad_value_),
+                              ("_get_total_norm", _get_total_norm), ("_clip_grads_with_norm_", _clip_grads_with_norm_)):
+        function = getattr(torch_clip, name, None)
+        if function is None:
+            continue
+        cell = _implementation_cell(function)
+        if cell is not None:
+            _ORIGINAL[name] = original = cell.cell_contents
+            cell.cell_contents = functools.wraps(original)(replacement)
+            _UNDO.append(functools.partial(setattr, cell, "cell_contents", original))
+        else:  # another release's layout: replace the module attribute (names bound earlier keep the original)
+            _ORIGINAL[name] = function
+            patched = functools.wraps(function)(_no_grad(replacement))
+            public = {"_get_total_norm": "get_total_norm", "_clip_grads_with_norm_": "clip_grads_with_norm_"}
+            public_name = public.get(name, name)
+            before = getattr(torch.nn.utils, public_name, None)
+            setattr(torch_clip, name, patched)
+            setattr(torch.nn.utils, public_name, patched)
+            _UNDO.append(functools.partial(setattr, torch_clip, name, function))
+            _UNDO.append(functools.partial(setattr, torch.nn.utils, public_name, before))
+    _ORIGINAL["zero_grad"] = zero_grad = nn.Module.__dict__["zero_grad"]
+    nn.Module.zero_grad = functools.wraps(zero_grad)(_module_zero_grad)
+    _UNDO.append(functools.partial(setattr, nn.Module, "zero_grad", zero_grad))
+    for install, _ in _EXTRA:
+        _UNDO.append(install())
+
+
+def _implementation_cell(function: Callable):
+    """The closure cell of torch's ``_no_grad`` wrapper that holds the implementation, if it has that form."""
+    code = getattr(function, "__code__", None)
+    closure = getattr(function, "__closure__", None)
+    if code is None or closure is None or "func" not in code.co_freevars:
+        return None
+    return closure[code.co_freevars.index("func")]
+
+
+def _no_grad(function: Callable) -> Callable:
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return function(*args, **kwargs)
+    return run
+
+
+# --- which wrapper ---------------------------------------------------------------------------------------------
+
+def synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
+    """The live wrapper among ``tensors`` whose gradients are reduced now, or ``None`` (then the original runs).
+
+    A list naming no tensor of any wrapper still goes to the one live wrapper whose gradients are reduced, if
+    there is one: a list filtered by ``p.grad is not None`` is empty on a rank that steps none of the listed
+    parameters while the other ranks' lists are not, and that rank must take part in the norm's collective
+    (Note [parameter lists] in ``engine/clip.py``). Every rank makes the same choice, as every rank holds the same
+    wrappers; a call about other tensors only then adds one small all-reduce and gives torch's result.
+    """
+    found = None
+    for t in tensors:
+        wrapper = wrapper_of(t)
+        if wrapper is None or wrapper is found:
+            continue
+        if found is not None:
+            raise ValueError("these parameters are trained by two different layer-wise wrappers at once; clip the "
+                             "parameters of each wrapper separately.")
+        found = wrapper
+    if found is None:
+        synced = [w for w in live_wrappers() if w.grads_synced]
+        found = synced[0] if len(synced) == 1 else None
+    return found if found is not None and found.grads_synced else None
+
+
+def _as_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+# --- torch.nn.utils --------------------------------------------------------------------------------------------
+
+def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    original = _ORIGINAL["clip_grad_norm_"]
+    if not _LIVE:
+        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    params = _as_list(parameters)
+    wrapper = synced_wrapper(params)
+    if wrapper is None:
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    total = clip.grad_norm(wrapper, norm_type, parameters=params)
+    foreign_grads = [p.grad for p in foreign if p.grad is not None]
+    if foreign_grads:  # tensors the wrapper does not train: this rank's own values, as torch computes them
+        local = _ORIGINAL["_get_total_norm"](foreign_grads, norm_type, False, foreach).to(total.device)
+        p = float(norm_type)
+        total = torch.maximum(total, local) if math.isinf(p) else (total.pow(p) + local.pow(p)).pow(1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total).item():
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+            "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`")
+    clip.scale_grads_by_norm_(wrapper, max_norm, total, parameters=params)
+    if foreign:
+        _ORIGINAL["_clip_grads_with_norm_"](foreign, max_norm, total, foreach)
+    return total
+
+
+def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
+    original = _ORIGINAL["_clip_grads_with_norm_"]
+    if not _LIVE:
+        return original(parameters, max_norm, total_norm, foreach)
+    params = _as_list(parameters)
+    wrapper = synced_wrapper(params)
+    if wrapper is None:
+        return original(params, max_norm, total_norm, foreach)
+    clip.scale_grads_by_norm_(wrapper, max_norm, total_norm, parameters=params)
+    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    if foreign:
+        original(foreign, max_norm, total_norm, foreach)
+    return None
+
+
+def _clip_grad_value_(parameters, clip_value, foreach=None):
+    original = _ORIGINAL["clip_grad_value_"]
+    if not _LIVE:
+        return original(parameters, clip_value, foreach)
+    params = _as_list(parameters)
+    wrapper = synced_wrapper(params)
+    if wrapper is None:
+        return original(params, clip_value, foreach)
+    clip.clip_grad_value_(wrapper, clip_value, parameters=params)
+    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    if foreign:
+        original(foreign, clip_value, foreach)
+    return None
+
+
+def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    original = _ORIGINAL["_get_total_norm"]
+    if _LIVE:
+        listed = _as_list(tensors)
+        if any(_handed_out_by_live_wrapper(t) for t in listed):
+            raise ValueError(
+                "torch.nn.utils.get_total_norm was given gradients that strategy='layerwise' shards across ranks: "
+                "it would return the norm of this rank's shards only, and a rank that owns none of them gets an "
+                "empty list and cannot take part in computing the global norm. Use "
+                "torch.nn.utils.clip_grad_norm_(parameters, float('inf')) (collective: returns the norm of the "
+                "full gradient and leaves it unchanged), or lightning_layerwise.grad_norm(wrapper).")
+        tensors = listed
+    return original(tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def _handed_out_by_live_wrapper(tensor: torch.Tensor) -> bool:
+    return any(w.dp_size > 1 and w.handed_out_gradient(tensor) for w in live_wrappers())
+
+
+def _module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
+    _ORIGINAL["zero_grad"](self, set_to_none)
+    if _LIVE:
+        for p in self.parameters():
+            wrapper = wrapper_of(p)
+            if wrapper is not None:
+                wrapper.clear_stepped_grad(p, set_to_none)
+
+
+def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -> dict[str, torch.Tensor]:
+    """Each parameter's full gradient norm, for the parameters that have a gradient on some rank (collective:
+    one all-reduce of a value and a flag per parameter, per kind of group)."""
+    infinite = math.isinf(p)
+    device = wrapper.flat_buffers[0].grads.device
+    groups = wrapper.process_groups
+    kinds: dict[bool, list] = {False: [], True: []}  # expert? -> [(name, local value, has gradient)]
+    local_norms: dict[str, torch.Tensor] = {}
+    for name, param in named:
+        if not wrapper.owns_tensor(param):
+            if param.grad is not None:  # not trained by the wrapper: this rank's value, as Lightning computes it
+                local_norms[name] = param.grad.detach().norm(p)
+            continue
+        unit = wrapper.unit_of(param)
+        held = unit is not None and unit.stepped.grad is not None
+        if held:
+            g = unit.slot.detach().float()
+            value = g.abs().amax() if infinite and g.numel() else (g.abs().pow(p).sum() if not infinite
+                                                                  else torch.zeros((), device=g.device))
+        else:
+            value = torch.zeros((), device=device)
+        expert = wrapper.is_expert(param)
+        kinds[expert].append((name, value.to(device), 1.0 if held else 0.0))
+    out: dict[str, torch.Tensor] = {}
+    for expert, entries in kinds.items():
+        if not entries:
+            continue
+        values = torch.stack([v for _, v, _ in entries])
+        flags = torch.tensor([f for _, _, f in entries], device=device)
+        both = torch.cat([values, flags])
+        if expert:
+            group = groups.expert_dp
+        else:
+            group = groups.dp if infinite else wrapper.layout_group
+        if infinite:
+            collectives.all_reduce_max(both, group)
+        else:
+            collectives.all_reduce_sum(both, group)
+        n = len(entries)
+        has_gradient = both[n:].tolist()  # one host transfer for all of them
+        for i, (name, _, _) in enumerate(entries):
+            if has_gradient[i] > 0:
+                out[name] = both[i] if infinite else both[i].pow(1.0 / p)
+    out.update(local_norms)
+    return {name: out[name] for name, _ in named if name in out}

@@ -1,0 +1,194 @@
+"""The parameter side of the engine: all-gather after the step, overlapped with the next forward.
+
+:class:`ParameterSync` all-gathers buckets from each rank's shard of the param buffer
+after the optimizer step: across the owner groups the chunks first (Note [replica
+sharing] in ``layout/sharing.py``), then inside the group, dispatched in forward order
+(Note [bucket order] in ``engine/data_parallel.py``) and awaited by the forward pre-hook
+of the first module that needs a bucket, by a read of a pending parameter (Note [stale
+reads] in ``engine/data_parallel.py``), or by :meth:`~ParameterSync.finish`. It is built
+from the buckets alone and holds its own state (the queue, what is in flight); the
+buckets' states move only through their own methods (Note [bucket states] in
+``engine/buffers.py``).
+
+Note [compiled pre-hooks]
+    ``torch.compile`` traces the forward pre-hooks with the module (Note [compiled
+    wrapper] in ``engine/data_parallel.py``), and dynamo guards the graph on the Python state
+    the hook reads: ``_next`` (an integer attribute, so specialized to its value), the
+    lengths of ``_queue`` and ``_in_flight``. Compiled models
+    run with every bucket synced (the strategies complete the all-gather inside the step
+    under ``overlap_param_gather="auto"``), but a finished sync used to leave
+    ``_next == len(_queue)`` at the number of buckets the step gathered,
+    not the 0 of the first forward, so every compiled model compiled twice (and again
+    whenever a step gathered another number of buckets). The last bucket to land now
+    empties the queue (:meth:`ParameterSync._wait_oldest`): "synced" is one
+    state, ``([], 0, [])``, and the graph compiles once. The hook stays traceable rather
+    than ``torch.compiler.disable``d: a disabled hook would break the graph at every
+    module that holds parameters and fail ``fullgraph=True``; and a forward that does
+    find buckets in flight (``overlap_param_gather=True``) fails the guards, recompiles
+    and waits for them as an eager forward would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Literal
+
+import torch
+from torch import nn
+
+from . import read_guard
+from .buffers import Bucket, ParamState
+from .read_guard import StaleParameterReadError
+from .waiter import Waiter
+
+
+class ParameterSync:
+    """The all-gathers of a set of buckets, in a fixed order, with at most ``prefetch_depth`` in flight.
+
+    Args:
+        gather_order: every bucket, in the order all-gathers are dispatched (forward order).
+        names: each parameter's name, for errors.
+        waiter: waits (errors, timing, tracing) shared with the gradient side.
+        prefetch_depth: how many all-gathers may be in flight at once.
+        overlap: all-gather asynchronously, waited for by forward pre-hooks and reads (otherwise
+            :meth:`start` completes every gather before returning).
+        read_guard: ``"wait"``, ``"strict"`` or ``"off"`` (Note [stale reads] in ``engine/data_parallel.py``).
+        gathers: whether there is anything to gather from (``False`` on one process).
+    """
+
+    def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter, *,
+                 prefetch_depth: int = 2, overlap: bool = True, read_guard: Literal["wait", "strict", "off"] = "wait",
+                 gathers: bool = True) -> None:
+        self.gather_order = gather_order
+        self.names = names
+        self.waiter = waiter
+        self.prefetch_depth = prefetch_depth
+        self.overlap = overlap
+        self.read_guard = read_guard
+        self.gathers = gathers
+        self.guarded_reads = 0
+        """Reads that had to wait for their bucket outside a forward pre-hook (Note [stale reads] in
+        ``engine/data_parallel.py``)."""
+        self._bucket_by_id = {id(p): b for b in gather_order for p in b.params}  # no hashing inside the read guard
+        self._queue: list[Bucket] = []  # the buckets the current sync gathers, in order
+        self._next = 0  # position in _queue of the next bucket to dispatch
+        self._in_flight: list[Bucket] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether an all-gather is queued or in flight."""
+        return self._next < len(self._queue) or bool(self._in_flight)
+
+    def start(self, buckets: Iterable[Bucket] | None = None, force_sync: bool = False) -> None:
+        """Starts all-gathering ``buckets`` (default: all) from each rank's shard of the param buffer.
+
+        With ``overlap`` the first ``prefetch_depth`` buckets are dispatched now and the rest by
+        forward pre-hooks (and by reads, Note [stale reads] in ``engine/data_parallel.py``); with ``force_sync`` (or
+        without
+        overlap) everything is gathered before returning. ``buckets`` must be given in
+        :attr:`gather_order` and be the same on every rank.
+        """
+        self.finish()  # a previous gather must land before a new one reads the shards
+        if not self.gathers:
+            return
+        overlap = self.overlap and not force_sync
+        strict = overlap and self.read_guard == "strict"
+        queue = self.gather_order if buckets is None else list(buckets)
+        for bucket in queue:
+            if overlap and self.read_guard != "off":
+                for p in bucket.params:
+                    if read_guard.can_guard(p):
+                        read_guard.mark_pending(p)
+            if strict:
+                _poison_others_shards(bucket)
+            bucket.queue_gather()
+            if bucket.replica_gather is not None:
+                self.waiter.trace("replica_ag_dispatch", bucket)
+        self._queue, self._next = queue, 0
+        if not overlap:
+            self.finish()
+        elif not strict:  # strict dispatches each gather only when something waits for it
+            self._top_up()
+
+    def on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
+        """The read guard's callback: makes ``param`` current, or raises in strict mode."""
+        bucket = self._bucket_by_id[id(param)]
+        if bucket.param_state is ParamState.READY:  # landed in the meantime
+            read_guard.restore(param)
+            return
+        if self.read_guard == "strict":
+            raise StaleParameterReadError(
+                f"{self.names[param]!r} was read by {read_guard.describe(func)} while its all-gather "
+                f"(bucket {bucket.name}) had not landed, outside the forward pre-hook of the module that holds it. "
+                "With param_read_guard='wait' (the default) this read waits for the bucket and is correct, but "
+                "it may cost overlap: call the module itself, or read parameters after "
+                "strategy.sync_parameters() (wrapper.finish_param_sync())."
+            )
+        self.guarded_reads += 1
+        self.ensure_gathered(bucket)
+
+    def finish(self) -> None:
+        """Dispatches and waits for every outstanding all-gather (before eval, checkpoints, a step)."""
+        while self._in_flight or self._next < len(self._queue):
+            if self._in_flight and (len(self._in_flight) >= self.prefetch_depth or self._next >= len(self._queue)):
+                self._wait_oldest()
+            else:
+                self._dispatch_next()
+
+    def ensure_gathered(self, bucket: Bucket) -> None:
+        """Waits until ``bucket`` is ready, dispatching and waiting earlier buckets in order."""
+        while bucket.param_state is not ParamState.READY:
+            if bucket.param_state is ParamState.STEPPED and len(self._in_flight) < self.prefetch_depth:
+                self._dispatch_next()
+            else:
+                self._wait_oldest()
+        if self.read_guard != "strict":
+            self._top_up()
+
+    def forward_pre_hook(self, buckets: list[Bucket]) -> Callable:
+        """A forward pre-hook that makes ``buckets`` (in :attr:`gather_order`) ready before the module runs."""
+        def hook(_module, _args):
+            if self._next < len(self._queue) or self._in_flight:
+                for b in buckets:
+                    self.ensure_gathered(b)
+        return hook
+
+    def release(self, wait: bool = True) -> None:
+        """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""
+        if wait:
+            self.finish()
+        self._queue, self._next, self._in_flight = [], 0, []
+
+    def _dispatch_next(self) -> None:
+        bucket = self._queue[self._next]
+        self._next += 1
+        if bucket.replica_gather is not None:  # the owner group gathers the shards the replicas completed
+            self.waiter.wait(bucket.replica_gather, "replica_all_gather")
+            self.waiter.trace("replica_ag_wait", bucket)
+        bucket.start_gather()
+        self._in_flight.append(bucket)
+        self.waiter.trace("ag_dispatch", bucket)
+
+    def _wait_oldest(self) -> None:
+        bucket = self._in_flight.pop(0)
+        self.waiter.wait(bucket.gather, "all_gather")
+        bucket.finish_gather()
+        for p in bucket.params:
+            read_guard.restore(p)
+        self.waiter.trace("ag_wait", bucket)
+        if not self._in_flight and self._next >= len(self._queue):
+            self._queue, self._next = [], 0  # Note [compiled pre-hooks]: synced is one state
+
+    def _top_up(self) -> None:
+        while len(self._in_flight) < self.prefetch_depth and self._next < len(self._queue):
+            self._dispatch_next()
+
+
+def _poison_others_shards(bucket: Bucket) -> None:
+    """Strict mode: what other ranks stepped (their shards, the other chunks of this rank's) reads NaN until its
+    all-gather lands."""
+    if bucket.param_data.is_floating_point():
+        begin, end = bucket.stepped_range
+        with torch.no_grad():
+            bucket.param_data[:begin].fill_(math.nan)
+            bucket.param_data[end:].fill_(math.nan)

@@ -1,0 +1,105 @@
+"""What the two Lightning adapters share: strategy names, argument checks, and the session's env from a strategy.
+
+Both :class:`~lightning_layerwise.LayerwiseStrategy` (Trainer) and
+:class:`~lightning_layerwise.LayerwiseFabricStrategy` (Fabric) are ``DDPStrategy`` subclasses
+that hold a :class:`~lightning_layerwise.session.LayerwiseSession`; this module is the
+little they have in common beyond it.
+"""
+
+from __future__ import annotations
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from ..config import SETTINGS, LayerwiseConfig
+from ..session import LayerwiseSession, SessionEnv
+
+STRATEGY_NAMES = (("layerwise", "popen"), ("layerwise_spawn", "spawn"), ("layerwise_fork", "fork"),
+                  ("layerwise_notebook", "fork"))
+"""The registered names and their start methods, as ``ddp`` has them (Trainer and Fabric alike)."""
+
+
+def register_strategy_names(cls: type, registry) -> None:
+    """Registers ``cls`` under :data:`STRATEGY_NAMES` in a Trainer or Fabric strategy registry."""
+    for name, start_method in STRATEGY_NAMES:
+        registry.register(name, cls, description=f"Layer-wise distributed optimizer, start_method='{start_method}'",
+                          start_method=start_method, override=True)
+
+
+def check_precision(plugin, supported: tuple) -> None:
+    """The precision kinds whose clipping and inf checks the strategy makes collective (exact types)."""
+    if plugin is not None and type(plugin) not in supported:
+        raise ValueError(
+            f"strategy='layerwise' does not support the precision plugin {type(plugin).__name__}: gradients are "
+            "sharded across ranks, so clipping and inf checks must be made across shards. Use precision='32-true', "
+            "'64-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'.")
+
+
+class CheckedAccelerator:
+    """CPU (gloo) and CUDA (NCCL) only; checked when the Trainer or Fabric is built (mixin for a strategy)."""
+
+    _accelerator_classes: tuple = ()  # the host's CPU and CUDA accelerator classes
+    _accelerator_fix: str = ""  # how to ask for one of them
+
+    @property
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator) -> None:
+        if accelerator is not None and not isinstance(accelerator, self._accelerator_classes):
+            raise ValueError(f"strategy='layerwise' runs on CPU (gloo) and CUDA GPUs (NCCL), not on "
+                             f"{type(accelerator).__name__}; use {self._accelerator_fix}.")
+        self._accelerator = accelerator
+
+
+class SessionAdapter(CheckedAccelerator):
+    """What a Lightning strategy holding a :class:`LayerwiseSession` (``self.session``) shows of it (mixin)."""
+
+    session: LayerwiseSession
+
+    @property
+    def wrapper(self):
+        """The engine wrapping the trained module (``None`` before setup and after teardown)."""
+        return self.session.wrapper
+
+    @property
+    def process_groups(self):
+        """The process groups of this run (``None`` before setup and after teardown); an MoE layer exchanges
+        tokens over ``process_groups.expert_parallel``."""
+        return self.session.groups
+
+    @property
+    def expert_parallel_rank(self) -> int:
+        """Which experts this rank holds: known after launch, before setup (Note [expert parallelism] in
+        ``engine/process_groups.py``)."""
+        self.session.env = session_env(self)
+        return self.session.expert_parallel_rank
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
+        return self.session.skipped_steps
+
+    @property
+    def _masters(self):
+        return self.session.masters
+
+    def sync_parameters(self) -> None:
+        """Waits until every rank holds the current parameters (no collective if already synced)."""
+        self.session.sync_parameters()
+
+
+def session_env(strategy) -> SessionEnv:
+    """The session's view of this process, from a launched Lightning ``DDPStrategy`` (Trainer or Fabric)."""
+    return SessionEnv(world_size=strategy.world_size, rank=strategy.global_rank,
+                      ranks_per_node=len(strategy.parallel_devices or ()) or None, device=strategy.root_device,
+                      backend=strategy.process_group_backend, timeout=strategy._timeout, broadcast=strategy.broadcast,
+                      info=rank_zero_info, warn=rank_zero_warn)
+
+
+def start_session(strategy, config: LayerwiseConfig) -> None:
+    """Gives ``strategy`` its config (also each setting as an attribute, read-only by convention) and session."""
+    strategy.config = config
+    for name in SETTINGS:
+        setattr(strategy, name, getattr(config, name))
+    strategy.session = LayerwiseSession(config, name=type(strategy).__name__)
