@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import time
 import weakref
 from collections.abc import Callable
@@ -263,6 +264,10 @@ def _forget(ref: "weakref.ref[LayerwiseDataParallel]") -> None:
         del _LIVE[key]
 
 
+_SYNCS = itertools.count(1)
+"""Numbers the syncs of this process: the wrapper synced last holds the highest (see ``grad_utils.synced_wrapper``)."""
+
+
 def any_live() -> bool:
     """Whether some wrapper is alive (one dictionary test: the patched utilities' fast path)."""
     return bool(_LIVE)
@@ -335,6 +340,8 @@ class GradientSync:
         self._grads_handed_out = False
         self._any_seen = False  # a gradient arrived this accumulation (per parameter: _GradRecord.seen)
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
+        self.synced_at = 0
+        """When this side last handed out reduced gradients, in this process's count of syncs (0: never)."""
         # What this rank steps, in registration order (Note [gradient lifecycle]).
         self._records = {p: _GradRecord(p, grad_views[p], self._bucket_of[p]) for p in names}
         for (ps, _), flags in zip(self._split_by_group, self._split_flags):
@@ -648,6 +655,7 @@ class GradientSync:
                 continue
             self._hand_out(unit)
         self._grads_handed_out = True
+        self.synced_at = next(_SYNCS)
 
     def _hand_out(self, unit: GradUnit) -> None:
         """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;

@@ -181,11 +181,14 @@ def _no_grad(function: Callable) -> Callable:
 def synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
     """The live wrapper among ``tensors`` whose gradients are reduced now, or ``None`` (then the original runs).
 
-    A list naming no tensor of any wrapper still goes to the one live wrapper whose gradients are reduced, if
-    there is one: a list filtered by ``p.grad is not None`` is empty on a rank that steps none of the listed
-    parameters while the other ranks' lists are not, and that rank must take part in the norm's collective
-    (Note [parameter lists] in ``engine/clip.py``). Every rank makes the same choice, as every rank holds the same
-    wrappers; a call about other tensors only then adds one small all-reduce and gives torch's result.
+    A list naming no tensor of any wrapper still goes to the live wrapper whose gradients were reduced last, if
+    any: a list filtered by ``p.grad is not None`` is empty on a rank that steps none of the listed parameters
+    while the other ranks' lists are not, and that rank must take part in the norm's collective (Note [parameter
+    lists] in ``engine/clip.py``). Every rank makes the same choice: all ranks reduced the same wrapper last.
+    Counting the live wrappers instead would not be safe: a wrapper nobody released lives until the garbage
+    collector finds it, which happens at another moment on each rank (a forked worker inherits its parent's
+    uncollected wrappers), and ranks that saw different counts once chose differently and hung. A call about
+    other tensors only then adds one small all-reduce and gives torch's result.
     """
     found = None
     for t in tensors:
@@ -198,7 +201,7 @@ def synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
         found = wrapper
     if found is None:
         synced = [w for w in live_wrappers() if w.grads_synced]
-        found = synced[0] if len(synced) == 1 else None
+        found = max(synced, key=lambda w: w.grad_sync.synced_at) if synced else None
     return found if found is not None and found.grads_synced else None
 
 

@@ -69,6 +69,7 @@ norm 0.41415, ddp's 0.706357`` (the marker test: ``.grad is NoneType, not a Spli
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import subprocess
 import sys
@@ -248,6 +249,38 @@ def fail_fast(out: dict, case, front: str) -> None:
     for step, (g, w) in enumerate(zip(got, want)):
         if g != pytest.approx(w, rel=TOL):
             raise AssertionError(f"{front} {case}: step {step}'s norm {g:.6g}, ddp's {w:.6g}")
+
+
+def _stale_wrapper_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    stale = llw.LayerwiseDataParallel(_model(), llw.ProcessGroups.single(), bucket_size=128)
+    x, y = _batch(rank)
+    nn.functional.mse_loss(stale(x), y).backward()
+    stale.finish_grad_sync()  # synced and never released: it lives until the garbage collector finds it
+    if rank == 0:
+        del stale
+        gc.collect()  # this rank's collector found it; rank 1's has not yet
+    model = _model()
+    wrapper = llw.LayerwiseDataParallel(model, bucket_size=128)
+    nn.functional.mse_loss(wrapper(x), y).backward()
+    wrapper.finish_grad_sync()
+    held = [p for p in model.parameters() if p.grad is not None]
+    listed = held[:1] if rank == 0 else []  # rank 1 steps none of what rank 0 lists: an empty list there
+    with llw.gradient_utilities():
+        norm = torch.nn.utils.clip_grad_norm_(listed, max_norm=1e9, norm_type=float("inf")).item()
+    out = {"norm": norm, "own": held[0].grad.abs().max().item() if rank == 0 else None}
+    wrapper.release()
+    return out
+
+
+def test_an_empty_list_joins_the_norm_whatever_stale_wrappers_a_rank_still_holds():
+    """A rank whose list is empty must still join the norm's all-reduce, on the wrapper every rank synced last.
+    Here rank 1 still holds an earlier wrapper nobody released (synced, not yet garbage-collected) and rank 0
+    does not. Choosing "the one live synced wrapper" made rank 1 find two, run torch's local clipping and leave
+    rank 0 waiting in the all-reduce: the whole suite hung on it once, in a forked worker that inherited its
+    parent's uncollected wrappers. Both ranks must return the owner's norm (inf-norm: exact)."""
+    results = run_distributed(_stale_wrapper_worker, 2, timeout=60)
+    assert results[0]["norm"] == results[1]["norm"] == results[0]["own"], results
 
 
 def my_rows(tokens: torch.Tensor) -> torch.Tensor:
