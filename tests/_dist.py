@@ -63,6 +63,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _write_outcome(path: str, outcome: tuple) -> None:
+    """Written aside and renamed into place: when one rank dies, the others are terminated, possibly while
+    writing, and the parent must never read half a file (it reads only whole outcomes, or none)."""
+    with open(path + ".partial", "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(path + ".partial", path)
+
+
 def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple,
             late_ms: float | None) -> None:
     torch.set_num_threads(REFERENCE_THREADS)
@@ -81,11 +89,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         result = fn(rank, world_size, *args)
         dist.barrier()
-        with open(path, "wb") as f:
-            pickle.dump(("ok", result), f)
+        _write_outcome(path, ("ok", result))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
-        with open(path, "wb") as f:
-            pickle.dump(("error", traceback.format_exc()), f)
+        _write_outcome(path, ("error", traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
