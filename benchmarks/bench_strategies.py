@@ -27,6 +27,14 @@ Configurations (peers in the same run: same seed, data order and initial weights
     layerwise_adamw_no_overlap  the same with overlap_param_gather=False (2+ ranks only)
     layerwise_muon              LayerwiseStrategy(overlap_param_gather=True), llw.Muon
     layerwise_muon_no_overlap   the same with overlap_param_gather=False (2+ ranks only)
+    layerwise_sharded_adamw     LayerwiseStrategy(shard_parameters=True): parameters and gradients
+                                sharded too (1/group per rank), buckets gathered for each forward and
+                                backward, AdamW (2+ ranks only)
+    layerwise_sharded_muon      the same with llw.Muon
+    fsdp2_adamw_reshard         fsdp2_adamw with reshard_after_forward=True (ZeRO-3-like: parameters
+                                freed after each block's forward, gathered again for its backward)
+    fsdp2_torch_muon_reshard    the same with torch.optim.Muon + AdamW (:class:`MuonAndAdamW`) on the
+                                DTensor shards
 
 AdamW: ``lr=1e-3, betas=(0.9, 0.95), weight_decay=0``. Muon (both implementations):
 ``lr=0.02``, momentum 0.95, Nesterov, 5 Newton-Schulz steps in ``--ns-dtype`` (bf16;
@@ -35,7 +43,8 @@ torch.optim.Muon always uses bf16), ``adjust_lr`` "original", no weight decay; A
 
 Sizes (``--sizes``): ``tiny`` is the model and batch of ``examples/configs/cpu.yaml``;
 ``wide`` is a CPU size where Newton-Schulz is about half of the replicated Muon step
-(wide matrices, short sequences, small batch); ``gpt2-small`` and ``gpt2-medium`` are GPU sizes.
+(wide matrices, short sequences, small batch); ``30m`` (31 M parameters) compares sharded
+parameters with their peers at 2 and 4 ranks; ``gpt2-small`` and ``gpt2-medium`` are GPU sizes.
 
 Each run is a fresh ``python benchmarks/bench_strategies.py --_worker NAME ...`` process;
 Lightning's launcher re-runs that command line for ranks 1..N-1, so every rank enters
@@ -160,6 +169,9 @@ SIZES: dict[str, Size] = {
     # 7.2 M parameters, batch 4 x 64 per rank: Newton-Schulz is ~60 % of a replicated Muon step on CPU.
     "wide": Size(n_layer=4, n_head=6, n_embd=384, batch_size=4, block_size=64, steps=12, warmup=3,
                  bucket_size=1_000_000),
+    # 31 M parameters, batch 2 x 64 per rank: the sharded-parameter comparison (docs/benchmarks/sharded_cpu.md).
+    "30m": Size(n_layer=10, n_head=8, n_embd=512, batch_size=2, block_size=64, steps=6, warmup=2,
+                bucket_size=4_000_000),
     "gpt2-small": Size(n_layer=12, n_head=12, n_embd=768, batch_size=16, block_size=1024, steps=50, warmup=10,
                        bucket_size=40_000_000),
     "gpt2-medium": Size(n_layer=24, n_head=16, n_embd=1024, batch_size=8, block_size=1024, steps=50, warmup=10,
@@ -174,6 +186,7 @@ class Config:
     overlap: bool | None = None  # layerwise overlap_param_gather
     min_devices: int = 1  # the no-overlap rows differ from the others only with an all-gather
     one_rank: bool = True  # also run at 1 rank (single-process cost of the strategy and optimizer)
+    shard: bool = False  # layerwise shard_parameters; fsdp2: reshard_after_forward (parameters freed after forward)
 
 
 CONFIGS: dict[str, Config] = {
@@ -182,16 +195,22 @@ CONFIGS: dict[str, Config] = {
     "ddp_torch_muon": Config("ddp", "torch_muon"),
     "ddp_zero_muon": Config("ddp", "zero_muon", one_rank=False),
     "fsdp2_adamw": Config("fsdp2", "adamw", one_rank=False),
+    "fsdp2_adamw_reshard": Config("fsdp2", "adamw", one_rank=False, shard=True),
+    "fsdp2_torch_muon_reshard": Config("fsdp2", "torch_muon", one_rank=False, shard=True),
     "layerwise_adamw": Config("layerwise", "adamw", overlap=True),
     "layerwise_adamw_no_overlap": Config("layerwise", "adamw", overlap=False, min_devices=2),
     "layerwise_muon": Config("layerwise", "muon", overlap=True),
     "layerwise_muon_no_overlap": Config("layerwise", "muon", overlap=False, min_devices=2),
+    "layerwise_sharded_adamw": Config("layerwise", "adamw", overlap=True, one_rank=False, shard=True),
+    "layerwise_sharded_muon": Config("layerwise", "muon", overlap=True, one_rank=False, shard=True),
 }
 BASELINE = "ddp_adamw"
 # Each row's replicated peer: same optimizer maths, every rank steps everything.
 REPLICATED_PEER = {
     "layerwise_adamw": "ddp_adamw", "layerwise_adamw_no_overlap": "ddp_adamw", "fsdp2_adamw": "ddp_adamw",
     "layerwise_muon": "ddp_muon", "layerwise_muon_no_overlap": "ddp_muon", "ddp_zero_muon": "ddp_muon",
+    "fsdp2_adamw_reshard": "ddp_adamw", "fsdp2_torch_muon_reshard": "ddp_torch_muon",
+    "layerwise_sharded_adamw": "ddp_adamw", "layerwise_sharded_muon": "ddp_muon",
 }
 LAST_K = 10  # steps averaged for the "late loss" column
 # (name, from event, to event, clock). Events: start = on_train_batch_start, grads =
@@ -510,9 +529,10 @@ def bench_module_class(worker: Worker, probe: ProbeHooks) -> type:
                 from torch.distributed.fsdp import fully_shard
 
                 mesh = self.device_mesh["data_parallel"]
+                reshard = worker.config.shard
                 for block in self.model.transformer.h:
-                    fully_shard(block, mesh=mesh, reshard_after_forward=False)
-                fully_shard(self.model, mesh=mesh, reshard_after_forward=False)
+                    fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+                fully_shard(self.model, mesh=mesh, reshard_after_forward=reshard)
 
         def configure_optimizers(self):
             return make_optimizer(worker, self.model)
@@ -536,7 +556,8 @@ def make_strategy(worker: Worker, devices: int):
     import lightning_layerwise as llw
 
     if worker.config.strategy == "layerwise":
-        return llw.LayerwiseStrategy(bucket_size=worker.size.bucket_size, overlap_param_gather=worker.config.overlap)
+        return llw.LayerwiseStrategy(bucket_size=worker.size.bucket_size, overlap_param_gather=worker.config.overlap,
+                                     shard_parameters=worker.config.shard)
     if worker.config.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -688,9 +709,10 @@ def _ddp_bucket_bytes(model) -> int | None:
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (a flat buffer counts once)."""
     seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+    with torch._C.DisableTorchFunctionSubclass():  # a sharded parameter's storage, not a gather (llw's read guard)
+        for t in tensors:
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()  # a freed buffer (sharded parameters) holds 0 bytes
     return sum(seen.values())
 
 

@@ -37,7 +37,9 @@ rank orthogonalizes every matrix; gradients all-reduced) and ``ddp_adamw``.
 Optimizer state per rank: fp32 master weight + exp_avg + exp_avg_sq (12 bytes)
 per AdamW element, fp32 master weight + momentum (8 bytes) per Muon element,
 for what the rank steps. Buffers per rank: bf16 parameters + fp32 gradients,
-padding included.
+padding included; with ``shard_parameters=True`` (``layerwise_sharded_muon``, the same step and
+state) 1/g of them plus a working set of ``SHARDED_WORKING_BUCKETS`` full buckets of both.
+Activations are not counted.
 
 Writes ``benchmarks/results/projection.json``, the table into
 ``docs/benchmarks/projection.md`` (between its table markers) and
@@ -121,6 +123,11 @@ def ring_seconds(numel: int, bytes_per_element: int, dp: int, hw: Hardware, pass
     return passes * (dp - 1) / dp * numel * bytes_per_element / hw.bus_bytes_per_s(dp)
 
 
+SHARDED_WORKING_BUCKETS = 6
+"""Full buckets a rank holds at once with ``shard_parameters=True``, estimated: ``prefetch_depth + 1`` (3) of
+parameters and as many of gradients (docs/design.md, "Sharded parameters", measures one step)."""
+
+
 def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict:
     """Per-rank time and memory of the three configurations at ``dp`` ranks."""
     seconds = {s.name: update_seconds(model, s, hw) for s in model.specs}
@@ -157,6 +164,8 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
             "ddp_adamw": numel * ADAMW_STATE_BYTES,
         },
         "buffer_bytes": {"layerwise_muon": layout.total_numel * (hw.param_bytes + hw.grad_bytes),
+                         "layerwise_sharded_muon": layout.total_numel / g * (hw.param_bytes + hw.grad_bytes)
+                         + SHARDED_WORKING_BUCKETS * bucket_size * (hw.param_bytes + hw.grad_bytes),
                          "ddp_muon": numel * (hw.param_bytes + hw.grad_bytes),
                          "ddp_adamw": numel * (hw.param_bytes + hw.grad_bytes)},
     }
@@ -165,7 +174,8 @@ def project(model: ModelShapes, dp: int, hw: Hardware, bucket_size: int) -> dict
 def table(rows: list[dict]) -> str:
     head = ["model", "dp", "g", "padding", "opt ms layerwise_muon", "opt ms ddp_muon", "opt ms ddp_adamw",
             "comm ms layerwise (RS+AG)", "comm ms ddp (AR)", "opt state GB layerwise_muon",
-            "opt state GB ddp_muon", "opt state GB ddp_adamw", "buffers GB layerwise", "buffers GB ddp"]
+            "opt state GB ddp_muon", "opt state GB ddp_adamw", "buffers GB layerwise", "buffers GB layerwise sharded",
+            "buffers GB ddp", "state+buffers GB ddp_adamw / layerwise / sharded"]
     body = []
     for r in rows:
         o, c, m, b = r["optimizer_s"], r["comm_s"], r["optimizer_state_bytes"], r["buffer_bytes"]
@@ -173,7 +183,11 @@ def table(rows: list[dict]) -> str:
         cells += [f"{1e3 * o[k]:.2f}" for k in CONFIGS]
         cells += [f"{1e3 * c['layerwise_muon']:.0f}", f"{1e3 * c['ddp_adamw']:.0f}"]
         cells += [f"{m[k] / 1e9:.2f}" for k in CONFIGS]
-        cells += [f"{b['layerwise_muon'] / 1e9:.1f}", f"{b['ddp_adamw'] / 1e9:.1f}"]
+        cells += [f"{b['layerwise_muon'] / 1e9:.1f}", f"{b['layerwise_sharded_muon'] / 1e9:.1f}",
+                  f"{b['ddp_adamw'] / 1e9:.1f}"]
+        totals = (m["ddp_adamw"] + b["ddp_adamw"], m["layerwise_muon"] + b["layerwise_muon"],
+                  m["layerwise_muon"] + b["layerwise_sharded_muon"])
+        cells.append(" / ".join(f"{t / 1e9:.1f}" for t in totals))
         body.append(cells)
     return harness.markdown_table(head, body)
 

@@ -11,11 +11,12 @@ import os as _os
 
 from .config import LayerwiseConfig
 from .engine.clip import clip_grad_norm_, clip_grad_value_, grad_norm
-from .engine.data_parallel import LayerwiseDataParallel, ReplicaDivergenceError
+from .engine.data_parallel import LayerwiseDataParallel, ReplicaDivergenceError, full_parameters
 from .engine.grad_sync import SplitGradient, SplitGradientError
 from .engine.grad_utils import GradientUtilities, gradient_utilities
 from .engine.process_groups import ProcessGroups
 from .engine.read_guard import StaleParameterReadError
+from .engine.sharded import ShardedParameterReadError
 from .engine.waiter import CollectiveError
 from .experts import mark_experts
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
@@ -56,12 +57,14 @@ __all__ = [
     "ProcessGroups",
     "ReplicaDivergenceError",
     "SessionEnv",
+    "ShardedParameterReadError",
     "SplitGradient",
     "SplitGradientError",
     "StaleParameterReadError",
     "clip_grad_norm_",
     "clip_grad_value_",
     "describe_layout",
+    "full_parameters",
     "grad_norm",
     "gradient_utilities",
     "mark_experts",

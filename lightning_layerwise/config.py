@@ -64,6 +64,11 @@ class LayerwiseConfig:
     """Ranks per owner group; ``"auto"``: one group on one node; ``None``: every rank."""
     expert_parallel_size: int = 1
     """Ranks per expert-parallel group (1: no expert parallelism)."""
+    shard_parameters: bool = False
+    """Each rank holds only its shard of the parameters and gradients between uses; buckets are gathered for
+    each forward and backward (Note [sharded parameters] in ``engine/buffers.py``)."""
+    reshard_after_forward: bool = True
+    """With ``shard_parameters``: free buckets during the forward and gather them again for the backward."""
     timeout: Optional[timedelta] = default_pg_timeout
     """Collective timeout."""
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
@@ -95,7 +100,7 @@ class LayerwiseConfig:
             raise ValueError(f"{cls}(replica_check_every={self.replica_check_every!r}): pass a number of optimizer "
                              "steps >= 1 (e.g. 100), or None to never check.")
         for name in ("overlap_grad_reduce", "separate_all_gather_group", "broadcast_buffers", "skip_nonfinite_steps",
-                     "elementwise_fill"):
+                     "elementwise_fill", "shard_parameters", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{cls}({name}={getattr(self, name)!r}): pass True or False.")
         if isinstance(self.elementwise_optimizers, (str, type)):

@@ -63,6 +63,7 @@ A plain torch loop under ``torchrun``::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -234,7 +235,8 @@ class LayerwiseSession:
             module, process_groups=self.groups, bucket_size=c.bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
             overlap_param_gather=c.overlap_param_gather is not False, prefetch_depth=c.prefetch_depth,
             grad_reduce_dtype=self._grad_reduce_dtype(), broadcast_buffers=c.broadcast_buffers,
-            param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout)
+            param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout,
+            shard_parameters=c.shard_parameters, reshard_after_forward=c.reshard_after_forward)
         self.wrapper.on_new_trainable = self._replan
         if self._gradient_utilities is None:  # torch's clipping sees the global norm while wrapped
             self._gradient_utilities = gradient_utilities()
@@ -525,6 +527,26 @@ class LayerwiseSession:
         if self.wrapper is not None:
             self.wrapper.finish_param_sync()
 
+    def full_parameters(self):
+        """A context inside which every parameter is whole on this rank (collective with sharded parameters;
+        :meth:`LayerwiseDataParallel.full_parameters`)."""
+        if self.wrapper is None:
+            return contextlib.nullcontext()
+        return self.wrapper.full_parameters()
+
+    def module_state_dict(self, module: Optional[torch.nn.Module] = None) -> dict[str, Any]:
+        """``module.state_dict()`` (default: the trained module) with every parameter current and whole; with
+        sharded parameters gathered for it and copied (collective)."""
+        module = module if module is not None else self.module
+        self.sync_parameters()
+        wrapper = self.wrapper
+        if wrapper is None or not wrapper.shard_parameters:
+            return module.state_dict()
+        with wrapper.full_parameters():
+            state = module.state_dict()
+            return {k: v.clone() if torch.is_tensor(v) and wrapper.holds_full_storage(v) else v
+                    for k, v in state.items()}
+
     # --- checkpoints -------------------------------------------------------------------------------------------------
     def ownership(self):
         """What this rank writes and reads of a checkpoint (:meth:`SessionCheckpoints.ownership`)."""
@@ -536,8 +558,7 @@ class LayerwiseSession:
         so a full file opens with ``torch.load(path)["state_dict"]``."""
         target = self.env.broadcast(str(path))
         self.checkpoints.check_save(target, None, f"{self.name}.save_checkpoint", has_model=self.module is not None)
-        self.sync_parameters()
-        model_state = self.module.state_dict()
+        model_state = self.module_state_dict()
         optimizer_states = [self.checkpoints.optimizer_state(optimizer) for optimizer in self.optimizers]
         whole = {"state_dict": model_state, "optimizer_states": optimizer_states, **extra}
         self.checkpoints.save(target, Checkpoint(whole, model_state, optimizer_states, dict(extra)))

@@ -214,11 +214,13 @@ class SessionCheckpoints:
     def read(self, path: Union[Path, str], n_optimizers: int = 0, strict: bool = True,
              weights_only: Optional[bool] = None, strict_hint: str = "", file_io: Any = None,
              memory_map: bool = True) -> Loaded:
-        """Reads a checkpoint from :meth:`resolve_path`'s ``path`` in the format found there (collective)."""
-        return format_on_disk(path).read(self, path, n_optimizers=n_optimizers, strict=strict,
-                                         weights_only=weights_only, strict_hint=strict_hint,
-                                         file_io=file_io if file_io is not None else TorchFileIO(),
-                                         memory_map=memory_map)
+        """Reads a checkpoint from :meth:`resolve_path`'s ``path`` in the format found there (collective).
+        With sharded parameters the module is whole while a sharded directory loads into it."""
+        with self.session.full_parameters():
+            return format_on_disk(path).read(self, path, n_optimizers=n_optimizers, strict=strict,
+                                             weights_only=weights_only, strict_hint=strict_hint,
+                                             file_io=file_io if file_io is not None else TorchFileIO(),
+                                             memory_map=memory_map)
 
     def read_whole(self, path: Union[Path, str], why: str, **read: Any) -> dict[str, Any]:
         """The whole checkpoint at ``path`` as one dictionary (a file; a sharded directory is refused, naming
@@ -234,8 +236,8 @@ class SessionCheckpoints:
             raise CheckpointError(
                 f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is "
                 "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
-        self.session.sync_parameters()
-        self.session.module.load_state_dict(state_dict, strict=strict)
+        with self.session.full_parameters():  # sharded parameters: every rank writes alike, its shard keeps it
+            self.session.module.load_state_dict(state_dict, strict=strict)
         self.after_model_load()
 
     def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:

@@ -31,6 +31,22 @@ Note [bucket states]
     accumulating into its gradients (its module ran no forward this step), and the
     gradients of the last step stay handed out (reduced) while the next forward
     gathers its parameters.
+
+Note [sharded parameters]
+    With ``shard_parameters=True`` a bucket keeps only this rank's shard of its
+    parameters (:attr:`Bucket.param_shard`) and of its reduced gradient
+    (:attr:`Bucket.grad_shard`); ``param_data`` and ``grad_data`` are then full-size
+    tensors of their own storage, allocated while in use and freed (the storage
+    resized to zero bytes, so every view keeps its shape) otherwise. The parameter
+    cycle gains one state, ``FREED``: freed -> gathering (all-gathered from the
+    shards) -> ready -> freed. A parameter this rank steps whole lies inside its
+    shard, so it views ``param_shard`` and is always readable here; every other
+    parameter views ``param_data`` and is readable only while its bucket is ready
+    (the read guard makes a read wait for, or gather, it). Gradients go the other
+    way: a backward adds local gradients into ``grad_data`` (allocated when the first
+    one arrives), the reduce-scatter averages it in place, :meth:`Bucket.fold_reduce`
+    adds this rank's shard of it into ``grad_shard`` and frees the full buffer.
+    Nothing here knows when a bucket is needed: ``engine/sharded.py`` decides.
 """
 
 from __future__ import annotations
@@ -106,10 +122,13 @@ def is_dense_permutation(tensor: torch.Tensor) -> bool:
     return True
 
 
-def view_of(flat: torch.Tensor, slot: ParamSlot, like: torch.Tensor | None = None) -> torch.Tensor:
+def view_of(flat: torch.Tensor, slot: ParamSlot, like: torch.Tensor | None = None,
+            offset: int | None = None) -> torch.Tensor:
     """The parameter-shaped view of ``slot`` inside a flat buffer, strided as ``like`` where its strides are
-    a dense permutation (Note [memory format])."""
-    part = flat[slot.offset : slot.end]
+    a dense permutation (Note [memory format]); ``offset``: where the slot starts in ``flat`` (default: its
+    offset in its layout buffer)."""
+    begin = slot.offset if offset is None else offset
+    part = flat[begin : begin + slot.numel]
     if like is not None and not like.is_contiguous() and is_dense_permutation(like):
         return part.as_strided(slot.shape, like.stride())
     return part.view(slot.shape)
@@ -129,6 +148,7 @@ class ParamState(enum.Enum):
     READY = "ready"  # every rank holds the bucket's current parameters
     STEPPED = "stepped"  # this rank's shard was stepped; the all-gather is queued (the replicas' chunks first)
     GATHERING = "gathering"  # all-gather dispatched, not waited
+    FREED = "freed"  # sharded parameters: only this rank's shard is held (Note [sharded parameters])
 
 
 class BucketStateError(RuntimeError):
@@ -147,6 +167,8 @@ class Bucket:
     grad_data: torch.Tensor
     first_param: int
     """Registration index of the earliest parameter in the bucket (forward order key)."""
+    start: int = 0
+    """Its first element in its buffer."""
     group: dist.ProcessGroup | None = None
     """Group its shards are spread over (reduce-scatter); ``gather_group``: its all-gather communicator."""
     gather_group: dist.ProcessGroup | None = None
@@ -169,6 +191,15 @@ class Bucket:
     gather: Collective | None = None
     replica_gather: Collective | None = None
     """The all-gather of the shard's chunks across the replicas, which the owner group's all-gather follows."""
+    param_shard: torch.Tensor | None = None
+    """Sharded parameters (Note [sharded parameters]): this rank's shard of the parameters, always held;
+    ``None``: every rank holds the whole bucket in ``param_data``."""
+    grad_shard: torch.Tensor | None = None
+    """Sharded parameters: this rank's shard of the reduced gradient, always held."""
+
+    @property
+    def sharded(self) -> bool:
+        return self.param_shard is not None
 
     @property
     def name(self) -> str:
@@ -188,6 +219,14 @@ class Bucket:
             return begin, end
         a, b = self.chunks[self.replica_rank]
         return begin + a, begin + b
+
+    def stepped_grad(self) -> torch.Tensor:
+        """The reduced gradient of what this rank steps (:attr:`stepped_range`), where it is kept."""
+        begin, end = self.stepped_range
+        if self.grad_shard is None:
+            return self.grad_data[begin:end]
+        first = self.shard[0]
+        return self.grad_shard[begin - first:end - first]
 
     @property
     def complete(self) -> bool:
@@ -219,6 +258,49 @@ class Bucket:
         """Every reduction of this step landed (the caller waited for :attr:`reduce`)."""
         self._move("grad_state", (GradState.REDUCING,), GradState.REDUCED)
         self.reduce = None
+
+    # --- sharded parameters (Note [sharded parameters]) ---------------------------------------------------------
+    def ensure_grad_buffer(self) -> None:
+        """Allocates the full gradient buffer, zeroed, unless it is held."""
+        if not is_allocated(self.grad_data):
+            allocate(self.grad_data)
+            self.grad_data.zero_()
+
+    def fold_reduce(self) -> None:
+        """The reduce-scatter landed (the caller waited for :attr:`reduce`, and with replica sharing for the
+        chunks' too): the mean of what this rank steps is added into :attr:`grad_shard` and the full buffer is
+        freed."""
+        self._move("grad_state", (GradState.REDUCING,), GradState.REDUCED)
+        self.reduce = None
+        begin, end = self.stepped_range
+        self.stepped_grad().add_(self.grad_data[begin:end])
+        free(self.grad_data)
+
+    def share_chunks(self) -> None:
+        """With replica sharing, after the step: every rank's shard gets the chunks its replicas stepped (Note
+        [replica sharing] in ``layout/sharing.py``), so that any rank's shard is current for the next gather."""
+        collectives.all_gather_chunks(self.param_shard, self.chunks, self.replica_group, async_op=False)
+
+    def accumulate_again(self) -> None:
+        """The backward that reduced this bucket ended; the next one accumulates into a fresh buffer."""
+        self._move("grad_state", (GradState.REDUCED, GradState.ACCUMULATING), GradState.ACCUMULATING)
+        self.ready.clear()
+
+    def mark_reduced(self) -> None:
+        """Every reduction of this accumulation was folded into the shard (the sync hands it out)."""
+        self._move("grad_state", (GradState.ACCUMULATING, GradState.REDUCED), GradState.REDUCED)
+
+    def start_unshard(self) -> None:
+        """Allocates the full parameters and dispatches their all-gather from every rank's shard."""
+        self._move("param_state", (ParamState.FREED,), ParamState.GATHERING)
+        allocate(self.param_data)
+        self.gather = collectives.all_gather_into(self.param_data, self.param_shard, self.gather_group,
+                                                  async_op=True)
+
+    def reshard(self) -> None:
+        """Frees the full parameters (the all-gather landed, or this rank's shard changed since)."""
+        self._move("param_state", (ParamState.READY, ParamState.STEPPED, ParamState.FREED), ParamState.FREED)
+        free(self.param_data)
 
     def restart(self) -> None:
         """A new accumulation: no gradient arrived yet (the caller zeroed the buffer)."""
@@ -255,6 +337,63 @@ class Bucket:
         self.param_state, self.grad_state = ParamState.READY, GradState.ACCUMULATING
 
 
+def allocate(tensor: torch.Tensor) -> None:
+    """Gives ``tensor`` (the whole of its storage) its bytes back; the values are undefined."""
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() < nbytes:
+        storage.resize_(nbytes)
+
+
+def free(tensor: torch.Tensor) -> None:
+    """Frees ``tensor``'s storage; ``tensor`` and its views keep their shapes (Note [sharded parameters])."""
+    tensor.untyped_storage().resize_(0)
+
+
+def is_allocated(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().size() > 0
+
+
+def shard_buckets(layout: Layout, flat_buffers: list[FlatBuffer], buckets: list[Bucket],
+                  named: dict[str, nn.Parameter], stepped_whole: set[str]) -> list[FlatBuffer]:
+    """Sharded parameters (Note [sharded parameters]): gives every bucket its shards, cut from the full buffers
+    (which every rank holds identically, after the broadcast from rank 0), and full buffers of its own storage,
+    freed; points every parameter at its new place. Returns the buffers that now hold the shards, one pair per
+    layout buffer (what zeroing the gradients and checkpoints of the shards see).
+
+    ``stepped_whole``: the names of the parameters this rank steps whole; they view their bucket's shard."""
+    sharded = []
+    for b_index, plan in enumerate(layout.buffers):
+        flat = flat_buffers[b_index]
+        mine = [b for b in buckets if b.buffer == b_index]
+        total = sum(b.param_data.numel() // b.shards for b in mine)
+        params = torch.empty(total, dtype=flat.params.dtype, device=flat.params.device)
+        grads = torch.zeros(total, dtype=flat.grads.dtype, device=flat.grads.device)
+        position = 0
+        for bucket, bp in zip(mine, plan.buckets):
+            begin, end = bucket.shard
+            size = end - begin
+            bucket.param_shard = params[position:position + size]
+            bucket.grad_shard = grads[position:position + size]
+            bucket.param_shard.copy_(bucket.param_data[begin:end])
+            full = bucket.param_data.clone()  # a storage of its own, freed below
+            # freed once the gradient side has made its views of it (a view of a freed storage cannot be made)
+            bucket.grad_data = torch.empty(bp.numel, dtype=flat.grads.dtype, device=flat.grads.device)
+            for name in bp.params:
+                slot, p = layout.params[name], named[name]
+                inside = slot.offset - bp.start
+                if name in stepped_whole:
+                    p.data = view_of(bucket.param_shard, slot, like=p, offset=inside - begin)
+                else:
+                    p.data = view_of(full, slot, like=p, offset=inside)
+            bucket.param_data = full
+            free(full)
+            bucket.param_state = ParamState.FREED
+            position += size
+        sharded.append(FlatBuffer(params, grads))
+    return sharded
+
+
 def build_buckets(layout: Layout, flat_buffers: list[FlatBuffer], named: dict[str, nn.Parameter],
                   order: list[str], groups, ranks) -> list[Bucket]:
     """The run-time buckets of ``layout`` over ``flat_buffers``: each with its slices, its groups (dense ones over
@@ -281,7 +420,7 @@ def build_buckets(layout: Layout, flat_buffers: list[FlatBuffer], named: dict[st
                 chunks = [(a - begin, b - begin) for a, b in bp.chunk_ranges(position)]
             buckets.append(Bucket(
                 b_index, bp.index, [named[n] for n in bp.params], flat.params[bp.start:bp.end],
-                flat.grads[bp.start:bp.end], first_param=min(index[n] for n in bp.params), group=group,
+                flat.grads[bp.start:bp.end], first_param=min(index[n] for n in bp.params), start=bp.start, group=group,
                 gather_group=gather_group, shards=bp.shards, rank=position, expert=expert, chunks=chunks,
                 replica_group=replica_group, replica_rank=replica_rank))
     return buckets

@@ -130,6 +130,17 @@ def all_gather_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op
     return Collective(bucket, work if async_op else None)
 
 
+def all_gather_into(output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup | None,
+                    async_op: bool = True) -> Collective:
+    """Fills ``output`` with every rank's ``shard``, in rank order (sharded parameters: the shard is kept apart
+    from the full buffer, Note [sharded parameters] in ``engine/buffers.py``)."""
+    if group is None:
+        output.copy_(shard)
+        return Collective(output, None)
+    work = _issue(group, lambda a: _all_gather_single(output, shard, group=group, async_op=a), async_op)
+    return Collective(output, work if async_op else None)
+
+
 def _even(ranges: list[tuple[int, int]]) -> bool:
     """Whether ``ranges`` are the equal consecutive shards ``tensor.chunk(len(ranges))`` would give."""
     length = ranges[0][1] - ranges[0][0]

@@ -99,7 +99,9 @@ Note [pieces]
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 import operator
 import warnings
 import weakref
@@ -111,10 +113,13 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives
-from .buffers import Bucket, FlatBuffer, allocate_buffers, build_buckets, view_of
+from .buffers import (Bucket, FlatBuffer, ParamState, allocate_buffers, build_buckets, free, shard_buckets,
+                      view_of)
 from .grad_sync import _LIVE, GradientSync, GradUnit, _forget, wrapper_of
 from .param_sync import ParameterSync
+from .sharded import ShardedParameterSync
 from .waiter import CollectiveError, Waiter  # noqa: F401  CollectiveError: its import path since 0.1
+from ..experts import marked_containers
 from ..layout import (DEFAULT_BUCKET_SIZE, Layout, ParamSpec, is_bucket_size, newton_schulz_cost, param_specs,
                       plan_layout)
 from .process_groups import ProcessGroups, Ranks
@@ -158,6 +163,11 @@ class LayerwiseDataParallel(nn.Module):
             size by planning, and hands that plan down); it must be planned from
             :func:`layout_specs` of ``module`` for the owner group of ``process_groups``.
             Default: planned here.
+        shard_parameters: keep only this rank's shard of every bucket's parameters and gradients between
+            uses (Note [sharded parameters] in ``engine/buffers.py``); buckets are gathered for each forward
+            and backward (Note [when a bucket is full] in ``engine/sharded.py``).
+        reshard_after_forward: with ``shard_parameters``, free buckets during the forward and gather them
+            again for the backward (``False``: keep them from the forward to the backward).
     """
 
     def __init__(
@@ -176,6 +186,8 @@ class LayerwiseDataParallel(nn.Module):
         elementwise: Callable[[str, nn.Parameter], bool] | None = None,
         expert: Callable[[str, nn.Parameter], bool] | None = None,
         layout: Layout | None = None,
+        shard_parameters: bool = False,
+        reshard_after_forward: bool = True,
     ) -> None:
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -201,21 +213,39 @@ class LayerwiseDataParallel(nn.Module):
         """The expert parameters' names (frozen ones included): reduced over the expert data-parallel group."""
         named = dict(module.named_parameters())
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
+        self.shard_parameters = shard_parameters and self.process_groups.dp is not None
+        """Whether each rank holds only its shard of the parameters (one process holds everything anyway)."""
+        if self.shard_parameters:
+            _check_sharding(self.layout, param_read_guard, named, self._param_names)
         self._flat_buffers = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs}, grad_reduce_dtype)
         self._buckets = build_buckets(self.layout, self._flat_buffers, named, [s.name for s in specs],
                                       self.process_groups, self.ranks)
         self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
+        self._broadcast_from_rank0()
+        if self.shard_parameters:
+            self._flat_buffers = shard_buckets(self.layout, self._flat_buffers, self._buckets, named,
+                                               self._stepped_whole_names())
         self._waiter = Waiter(self.dp_rank, self.dp_size, trace)
+        self._end_of_backward_queued = False
         self.grad_sync = self._gradient_side(overlap_grad_reduce)
+        if self.shard_parameters:
+            for bucket in self._buckets:
+                free(bucket.grad_data)
         every_read_guarded = self._guard_reads(named)
-        self.param_sync = ParameterSync(
-            sorted(self._buckets, key=lambda b: b.first_param), self._param_names, self._waiter,
-            prefetch_depth=prefetch_depth, overlap=overlap_param_gather and every_read_guarded,
-            read_guard=param_read_guard, gathers=self.process_groups.dp is not None)
+        gather_order = sorted(self._buckets, key=lambda b: b.first_param)
+        if self.shard_parameters:
+            self.param_sync = ShardedParameterSync(
+                gather_order, self._param_names, self._waiter, stepped_whole=self.grad_sync.stepped_whole,
+                prefetch_depth=prefetch_depth, reshard_after_forward=reshard_after_forward,
+                read_guard=param_read_guard, on_backward=self._backward_started, write_back=self._write_back_pieces)
+        else:
+            self.param_sync = ParameterSync(
+                gather_order, self._param_names, self._waiter,
+                prefetch_depth=prefetch_depth, overlap=overlap_param_gather and every_read_guarded,
+                read_guard=param_read_guard, gathers=self.process_groups.dp is not None)
         self._record_structure()
         self.compiled_forward = False
         """Whether this wrapper's forward has run inside ``torch.compile`` (Note [compiled wrapper])."""
-        self._broadcast_from_rank0()
         self._register_live()
         self._hook_handles = self._register_forward_pre_hooks() if self.process_groups.dp is not None else []
 
@@ -234,27 +264,95 @@ class LayerwiseDataParallel(nn.Module):
         """The gradient side over this layout: what this rank steps whole, and its pieces of split parameters
         as parameters of their own viewing the param buffer (Note [pieces])."""
         grad_views, owned, split, pieces = {}, set(), [], {}
+        stepped_slots = {} if self.shard_parameters else None
         for p, name in self._param_names.items():
             slot = self.layout.params[name]
-            # Strided as the parameter, so the reduced gradient keeps its memory format (Note [memory format] in
-            # ``engine/buffers.py``).
-            grad_views[p] = view_of(self._flat_buffers[slot.buffer].grads, slot, like=p)
+            bucket = self._bucket_of[p]
+            if self.shard_parameters:
+                # Note [sharded parameters] in ``engine/buffers.py``: local gradients go to the full buffer; what
+                # this rank steps is handed its slot of the shard.
+                inside, first = slot.offset - bucket.start, bucket.shard[0]
+                grad_views[p] = view_of(bucket.grad_data, slot, like=p, offset=inside)
+                params_of, grads_of, base = bucket.param_shard, bucket.grad_shard, bucket.start + first
+            else:
+                # Strided as the parameter, so the reduced gradient keeps its memory format (Note [memory format]
+                # in ``engine/buffers.py``).
+                grad_views[p] = view_of(self._flat_buffers[slot.buffer].grads, slot, like=p)
+                flat = self._flat_buffers[slot.buffer]
+                params_of, grads_of, base = flat.params, flat.grads, 0
             if not slot.split:
                 if slot.owner == self.rank_for(name):
                     owned.add(p)
+                    if stepped_slots is not None:
+                        stepped_slots[p] = view_of(grads_of, slot, like=p, offset=slot.offset - base)
                 continue
             split.append(p)
             piece = slot.piece_of(self.rank_for(name))
             if piece is not None:
-                flat = self._flat_buffers[slot.buffer]
-                begin, end = slot.offset + piece.start, slot.offset + piece.stop
-                pieces[p] = (nn.Parameter(flat.params[begin:end], requires_grad=p.requires_grad),
-                             flat.grads[begin:end])
+                begin, end = slot.offset + piece.start - base, slot.offset + piece.stop - base
+                pieces[p] = (nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end])
         return GradientSync(
             self._buckets, self._flat_buffers, self._param_names, grad_views, owned, split, pieces, self._waiter,
             groups=self.process_groups, layout_group=self.layout_group, experts=self.expert_names,
             expert_parallel_size=self.expert_parallel_size, overlap_grad_reduce=overlap_grad_reduce,
-            before_reduce=self.finish_param_sync)
+            before_reduce=self.finish_param_sync, sharded=self.shard_parameters, stepped_slots=stepped_slots,
+            on_backward=self._backward_started, grads_done=self._grads_done,
+            reduces_in_flight=self.prefetch_depth)
+
+    def _stepped_whole_names(self) -> set[str]:
+        """The parameters this rank steps whole (with sharded parameters they view their bucket's shard)."""
+        return {n for n in self._param_names.values()
+                if not self.layout.params[n].split and self.layout.params[n].owner == self.rank_for(n)}
+
+    # --- sharded parameters (Note [when a bucket is full] in ``engine/sharded.py``) ---------------------------
+    def _backward_started(self) -> None:
+        """A backward reached this wrapper (a gradient arrived or a saved parameter was unpacked): the end of the
+        backward frees what it gathered and reduces what it accumulated."""
+        if not self._end_of_backward_queued:
+            self._end_of_backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._end_of_backward_queued = False
+        self.grad_sync.end_of_backward()
+        self.param_sync.end_of_backward()
+
+    def _grads_done(self, bucket: Bucket) -> None:
+        self.param_sync.grads_done(bucket)
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Every parameter whole on this rank inside (collective: every rank enters it). With sharded parameters
+        it gathers every bucket, and frees them on exit; writes inside persist where they land in this rank's
+        shard (a parameter it steps whole, its piece of a split one), so a write every rank makes alike (loading
+        a state dict) persists. Without sharding, it waits for the all-gathers in flight."""
+        if not self.shard_parameters:
+            self.finish_param_sync()
+            yield
+            return
+        with self.param_sync.held_full():
+            yield
+
+    def _write_back_pieces(self) -> None:
+        """Sharded parameters, every bucket full: what was written into a split parameter reaches this rank's
+        piece of it (whole parameters this rank steps view its shard: nothing to do)."""
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            for p, piece in self.grad_sync.pieces.items():
+                where = self.piece_of(p)
+                piece.copy_(p.reshape(-1)[where.start:where.stop])
+
+    def _readable(self, p: nn.Parameter) -> bool:
+        """Whether ``p``'s values are held on this rank now (always, unless sharded and its bucket is freed)."""
+        return not self.shard_parameters or p in self.grad_sync.stepped_whole \
+            or self._bucket_of[p].param_state is ParamState.READY
+
+    def holds_full_storage(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` lies on a bucket's full parameters, which are freed after use (sharded parameters):
+        a copy of it must be taken inside :meth:`full_parameters`."""
+        if not self.shard_parameters:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.untyped_storage()._cdata in self.param_sync._by_storage
 
     def _guard_reads(self, named: dict[str, nn.Parameter]) -> bool:
         """Attaches the read guard to the parameters (Note [stale reads]); whether all-gathers may overlap the
@@ -289,20 +387,44 @@ class LayerwiseDataParallel(nn.Module):
         self._modules_checked = list(self.module.modules())
         self._structure = _structure_of(self._modules_checked)
         self._trainable = list(self._param_names)
-        self._data_ptrs = _data_ptrs_of(self._trainable)
+        self._data_ptrs = self._places_of(self._trainable)
         self._outside = [p for p in self._all_params if p not in self._param_names]  # frozen when wrapped
 
     def _register_forward_pre_hooks(self) -> list:
-        """One pre-hook per module holding parameters: its buckets are ready before it runs."""
+        """One pre-hook per module holding parameters: its buckets are ready before it runs. With sharded
+        parameters, expert buckets are gathered by the layer that holds the experts (Note [sharded experts] in
+        ``engine/sharded.py``)."""
         handles = []
         order = {id(b): i for i, b in enumerate(self.param_sync.gather_order)}
+        by_layer = self._expert_buckets_by_layer() if self.shard_parameters else {}
+        routed = {id(b) for buckets in by_layer.values() for b in buckets}
         for module in self.module.modules():
-            buckets = list({id(b): b for b in map(self._bucket_of.get, module.parameters(recurse=False))
-                            if b is not None}.values())
+            own = [b for b in map(self._bucket_of.get, module.parameters(recurse=False))
+                   if b is not None and id(b) not in routed]
+            buckets = list({id(b): b for b in own + by_layer.get(module, [])}.values())
             if buckets:
                 buckets.sort(key=lambda b: order[id(b)])
                 handles.append(module.register_forward_pre_hook(self.param_sync.forward_pre_hook(buckets)))
+            if module in by_layer:
+                handles.append(module.register_forward_hook(self.param_sync.before_backward_of(by_layer[module])))
         return handles
+
+    def _expert_buckets_by_layer(self) -> dict[nn.Module, list[Bucket]]:
+        """The expert buckets of each layer holding a marked expert container (``llw.mark_experts``): its
+        parent, which runs on every rank whichever experts its tokens reach."""
+        layers: dict[nn.Module, list[Bucket]] = {}
+        for path, container in marked_containers(self.module).items():
+            parent = self.module.get_submodule(path.rpartition(".")[0]) if path else self.module
+            buckets = {id(b): b for b in map(self._bucket_of.get, container.parameters()) if b is not None}
+            layers.setdefault(parent, []).extend(b for b in buckets.values() if b.expert)
+        unmarked = sorted({b.name for b in self._buckets if b.expert}
+                          - {b.name for buckets in layers.values() for b in buckets})
+        if unmarked:
+            raise ValueError(
+                f"shard_parameters=True with expert parameters outside a container marked with llw.mark_experts "
+                f"(buckets {unmarked[:3]}): their layer must gather them whichever experts its tokens reach. "
+                "Mark each layer's expert container with llw.mark_experts(experts, num_experts=...).")
+        return layers
 
     # --- ranks -------------------------------------------------------------------------------------------------------
     dp_size = property(lambda self: self.ranks.dp_size, doc="Ranks in the data-parallel group.")
@@ -547,11 +669,27 @@ class LayerwiseDataParallel(nn.Module):
         if torch.compiler.is_compiling():
             self.compiled_forward = True  # Note [compiled wrapper]
         self._before_forward()
-        return self.module(*args, **kwargs)
+        if not self.shard_parameters:
+            return self.module(*args, **kwargs)
+        # Note [when a bucket is full] in ``engine/sharded.py``: reads inside gather on demand; what autograd saves
+        # of a bucket is gathered again for the backward.
+        with self.param_sync.reads_allowed():
+            if not torch.is_grad_enabled():  # no backward follows: nothing stays full after it
+                try:
+                    return self.module(*args, **kwargs)
+                finally:
+                    self.param_sync.reshard_all()
+            with self.param_sync.saved_tensors_hooks():
+                return self.module(*args, **kwargs)
 
     @torch.compiler.disable
     def _before_forward(self) -> None:
         """The step's bookkeeping before a training forward, always run eagerly (Note [compiled wrapper])."""
+        if self.shard_parameters and self.compiled_forward:
+            raise RuntimeError(
+                "shard_parameters=True does not support a model compiled around the strategy's wrapper yet "
+                "(fabric.setup of a torch.compile'd model): compile the model's blocks instead, or turn "
+                "shard_parameters off.")
         if torch.is_grad_enabled() and self.module.training:
             self._check_module_unchanged()
             if self.broadcast_buffers:
@@ -566,9 +704,9 @@ class LayerwiseDataParallel(nn.Module):
             self._raise_changed()
         if self._outside and any(map(_REQUIRES_GRAD, self._outside)):
             self._new_trainable()
-        if _data_ptrs_of(self._trainable) == self._data_ptrs:
+        if self._places_of(self._trainable) == self._data_ptrs:
             return
-        for p, now, ptr in zip(self._trainable, _data_ptrs_of(self._trainable), self._data_ptrs):
+        for p, now, ptr in zip(self._trainable, self._places_of(self._trainable), self._data_ptrs):
             if now != ptr:
                 raise RuntimeError(
                         f"parameter {self._param_names[p]!r} no longer lives in its bucket: its .data, dtype or "
@@ -576,6 +714,14 @@ class LayerwiseDataParallel(nn.Module):
                         "to .data during training). Convert or move the model before fit, or use the Trainer's "
                         "precision= argument."
                     )
+
+    def _places_of(self, params: list[nn.Parameter]) -> list[int]:
+        """Where each parameter lives: its data pointer, or with sharded parameters (whose full buffers move when
+        gathered again) its storage's identity and offset."""
+        if not self.shard_parameters:
+            return _data_ptrs_of(params)
+        with torch._C.DisableTorchFunctionSubclass():
+            return [hash((p.untyped_storage()._cdata, p.storage_offset())) for p in params]
 
     def _new_trainable(self) -> None:
         """Parameters frozen when the module was wrapped train now: re-plan, or refuse (Note [re-planning] in
@@ -631,6 +777,10 @@ class LayerwiseDataParallel(nn.Module):
             return
         self.finish_param_sync()
         names = {p: n for n, p in self.module.named_parameters()}  # frozen ones too: never all-gathered
+        if self.shard_parameters:  # each rank holds its own shard of the rest: nothing to compare
+            names = {p: n for p, n in names.items() if p not in self._param_names}
+            if not names:
+                return
         params = list(names)
         with torch._C.DisableTorchFunctionSubclass():
             sums = torch.stack([_bit_sum(p.detach()) for p in params])
@@ -701,6 +851,8 @@ class LayerwiseDataParallel(nn.Module):
         abandons pending collectives instead of waiting for them: only after a
         collective failed (a dead rank), when waiting would raise the same error again.
         """
+        if self.shard_parameters and wait:
+            self.param_sync.gather_all()  # every rank gets the whole module back
         self.param_sync.release(wait)
         for h in self._hook_handles:
             h.remove()
@@ -711,13 +863,53 @@ class LayerwiseDataParallel(nn.Module):
             with torch.no_grad():
                 for p in self._param_names:
                     read_guard.detach(p)
-                    p.data = p.data.clone()
+                    # after a failed collective a freed parameter has nothing to keep: NaN, never freed memory
+                    p.data = p.data.clone() if self._readable(p) else torch.full(p.shape, math.nan, dtype=p.dtype,
+                                                                                  device=p.device)
             self._flat_buffers, self._buckets = [], []
             for t in self._registered:
                 if wrapper_of(t) is self:
                     del _LIVE[id(t)]
             self._registered = []
         return self.module
+
+
+def _check_sharding(layout: Layout, param_read_guard: str, named: dict[str, nn.Parameter],
+                    trainable: dict[nn.Parameter, str]) -> None:
+    """What ``shard_parameters=True`` does not support yet raises before anything is built."""
+    unguardable = [n for p, n in trainable.items() if not read_guard.can_guard(p)]
+    problem = (
+        "with param_read_guard='off': a read of a freed parameter would read freed memory; use 'wait'"
+        if param_read_guard == "off" else
+        f"with parameters of class {type(named[unguardable[0]]).__name__} ({unguardable[:3]}), not nn.Parameter: "
+        "their reads cannot be made to gather their bucket" if unguardable else None)
+    if problem is not None:
+        raise ValueError(f"shard_parameters=True is not supported {problem}.")
+
+
+@contextlib.contextmanager
+def full_parameters(module: nn.Module):
+    """Inside, every parameter of ``module`` is whole on this rank (collective: every rank enters it).
+
+    With ``shard_parameters=True`` each rank holds only its shard of the parameters outside a step
+    (Note [sharded reads] in ``engine/sharded.py``): this gathers them all, and frees them on exit.
+    Writes inside persist where they land in this rank's shard, so a write every rank makes alike
+    (``load_state_dict``) persists; a copy of a value to keep must be taken inside. Without sharding
+    it waits for the all-gathers in flight. ``module``: the model (or a part of it), a LightningModule,
+    Fabric's module or the wrapper; a module that is not trained by the strategy passes through.
+    """
+    if isinstance(module, LayerwiseDataParallel):
+        wrappers = [module]
+    else:
+        wrappers = []
+        for p in module.parameters():
+            w = wrapper_of(p)
+            if w is not None and all(w is not x for x in wrappers):
+                wrappers.append(w)
+    with contextlib.ExitStack() as stack:
+        for w in wrappers:
+            stack.enter_context(w.full_parameters())
+        yield
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")

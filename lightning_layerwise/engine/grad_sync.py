@@ -102,6 +102,22 @@ Note [gradient lifecycle]
     the *optimizer* holds, and on ranks where those are pieces or masters the
     model parameter itself keeps ``requires_grad=True``. Every rank then drops
     its local gradient of that parameter, so the reduction stays consistent.
+
+Note [sharded gradients]
+    With sharded parameters (Note [sharded parameters] in ``engine/buffers.py``) a bucket's
+    full gradient buffer exists only while it is needed: the first gradient of a backward
+    to reach the bucket allocates it (zeroed), the hook adds each gradient into it (the copy
+    path: autograd's own ``.grad`` is dropped at once, as there is no slot to accumulate into
+    beforehand), and the reduce-scatter averages it in place; this rank's shard of the mean
+    is then *added* into the bucket's gradient shard and the full buffer freed. At most
+    ``prefetch_depth`` reduce-scatters are in flight, so at most that many full gradient
+    buffers wait for the network. Every reducing backward reduces every bucket by its end (a
+    callback autograd's engine runs when the backward ends), so micro-batches accumulated
+    without ``no_sync`` each send their gradients and add into the shard: the shard holds
+    the sum of the means, as ``ddp``'s buffer would. Inside ``no_sync`` the full buffers
+    instead keep the local sum until the reducing backward, trading memory for bytes as
+    FSDP2 does. What the optimizer reads (owned parameters' ``.grad``, pieces, norms, the
+    finite check) lies in the shard, so the hand-out is unchanged.
 """
 
 from __future__ import annotations
@@ -119,7 +135,7 @@ import torch
 from torch import nn
 
 from . import collectives
-from .buffers import Bucket, GradState
+from .buffers import Bucket, GradState, free
 from .waiter import Waiter
 from .read_guard import METADATA_FUNCTIONS, describe
 
@@ -311,17 +327,30 @@ class GradientSync:
         experts: the names of expert parameters; ``expert_parallel_size``: ranks holding different experts.
         overlap_grad_reduce: dispatch a bucket's reduce-scatter as soon as its gradients are complete.
         before_reduce: called before the reductions are completed (the parameter side finishes its gathers).
+        sharded: sharded parameters (Note [sharded gradients]); then ``stepped_slots`` gives each parameter this
+            rank steps whole its slot of the bucket's gradient shard, ``on_backward`` is called at every
+            gradient's arrival (the wrapper queues its end-of-backward callback), ``grads_done`` with a bucket
+            whose parameters all received their gradient in a reducing backward, and at most
+            ``reduces_in_flight`` reduce-scatters (each holding a full gradient buffer) are in flight.
     """
 
     def __init__(self, buckets: list[Bucket], flat_buffers: list, names: dict[nn.Parameter, str],
                  grad_views: dict[nn.Parameter, torch.Tensor], owned: set, split: list[nn.Parameter],
                  pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor]], waiter: Waiter, *, groups,
                  layout_group=None, experts: frozenset = frozenset(), expert_parallel_size: int = 1,
-                 overlap_grad_reduce: bool = True, before_reduce: Callable[[], None] = lambda: None) -> None:
+                 overlap_grad_reduce: bool = True, before_reduce: Callable[[], None] = lambda: None,
+                 sharded: bool = False, stepped_slots: dict[nn.Parameter, torch.Tensor] | None = None,
+                 on_backward: Callable[[], None] = lambda: None, grads_done: Callable[[Bucket], None] = lambda b: None,
+                 reduces_in_flight: int = 2) -> None:
         self._buckets, self._flat_buffers, self._param_names = buckets, flat_buffers, names
         self.waiter, self.process_groups, self.layout_group = waiter, groups, layout_group
         self.expert_parallel_size, self.overlap_grad_reduce = expert_parallel_size, overlap_grad_reduce
         self._before_reduce = before_reduce
+        self.sharded, self._on_backward, self._grads_done = sharded, on_backward, grads_done
+        self._reduces_in_flight = reduces_in_flight
+        self._reducing: list[Bucket] = []  # sharded: reduce-scatters in flight, oldest first
+        self._unreduced = False  # sharded: local gradients arrived since the last flush
+        self._flushed = False  # sharded: a reducing backward reduced every bucket since the restart
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._gather_order = sorted(buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
@@ -347,7 +376,10 @@ class GradientSync:
         for (ps, _), flags in zip(self._split_by_group, self._split_flags):
             for i, p in enumerate(ps):
                 self._records[p].split_flag = flags[i]
-        self._units = [GradUnit(p, p, grad_views[p], self._bucket_of[p], self._records[p]) if p in owned else
+        slots = stepped_slots if stepped_slots is not None else grad_views
+        self.stepped_whole = frozenset(owned)
+        """The parameters this rank steps whole."""
+        self._units = [GradUnit(p, p, slots[p], self._bucket_of[p], self._records[p]) if p in owned else
                        GradUnit(p, pieces[p][0], pieces[p][1], self._bucket_of[p], self._records[p], split=True)
                        for p in names if p in owned or p in pieces]
         self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
@@ -480,6 +512,9 @@ class GradientSync:
             flat.grads.zero_()
         for b in self._buckets:
             b.restart()
+            if self.sharded:
+                free(b.grad_data)
+        self._reducing, self._unreduced, self._flushed = [], False, False
         self._next_reduce = 0
         self._grads_handed_out = False
         self._any_seen = False
@@ -495,6 +530,7 @@ class GradientSync:
             if bucket.reduce is not None:
                 self.waiter.wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None
+        self._reducing = []
         for flags_reduce in self._flag_reduces:  # the flags are zeroed next: their all-reduce must have landed
             self.waiter.wait(flags_reduce, "split_flags")
         self._flag_reduces = []
@@ -532,6 +568,8 @@ class GradientSync:
             self.prepare_backward()
 
     def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord) -> None:
+        if self.sharded:
+            self._on_backward()
         grad = param.grad
         in_place = grad is rec.grad and rec.assigned  # autograd added into the slot (Note [in-place gradients])
         if not in_place:
@@ -572,6 +610,9 @@ class GradientSync:
                 self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
             if rec.split_flag is not None:
                 rec.split_flag.fill_(1.0)
+        if self.sharded:  # Note [sharded gradients]
+            bucket.ensure_grad_buffer()
+            self._unreduced = True
         if not in_place:
             view = rec.view
             if rec.assigned:
@@ -586,8 +627,11 @@ class GradientSync:
         if not self._micro_batch_is_last:
             return
         bucket.ready.add(id(param))
-        if self.overlap_grad_reduce and bucket.complete:
-            self._dispatch_ready_reduces()
+        if bucket.complete:
+            if self.sharded:
+                self._grads_done(bucket)
+            if self.overlap_grad_reduce:
+                self._dispatch_ready_reduces()
 
     def _dispatch_ready_reduces(self, force: bool = False) -> None:
         """Dispatches reduce-scatters in the fixed order, up to the first bucket not yet complete."""
@@ -599,8 +643,41 @@ class GradientSync:
             self._next_reduce += 1
 
     def _dispatch_reduce(self, bucket: Bucket) -> None:
+        if self.sharded:
+            while len(self._reducing) >= self._reduces_in_flight:  # each holds a full gradient buffer
+                self._fold(self._reducing[0])
+            bucket.ensure_grad_buffer()  # a bucket no gradient reached here still takes part
         bucket.start_reduce()
         self.waiter.trace("rs_dispatch", bucket)
+        if self.sharded:
+            self._reducing.append(bucket)
+
+    # --- sharded parameters (Note [sharded gradients]) ----------------------------------------------------------
+    def _fold(self, bucket: Bucket) -> None:
+        """Waits for ``bucket``'s reduce-scatter and adds this rank's shard of it into the gradient shard."""
+        self.waiter.wait(bucket.reduce, "reduce_scatter")
+        self.waiter.trace("rs_wait", bucket)
+        if bucket.chunks is not None:  # then across the owner groups, into the chunk this rank steps
+            bucket.start_replica_reduce()
+            self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
+        bucket.fold_reduce()
+        self._reducing.remove(bucket)
+
+    def _flush(self) -> None:
+        """Reduce-scatters every bucket not yet reduced in this backward, in order, and folds every one in."""
+        self._dispatch_ready_reduces(force=True)
+        while self._reducing:
+            self._fold(self._reducing[0])
+        for bucket in self._buckets:
+            bucket.accumulate_again()
+        self._next_reduce = 0
+        self._unreduced, self._flushed = False, True
+
+    def end_of_backward(self) -> None:
+        """Sharded parameters: a backward ended (autograd's engine calls back). A reducing one reduces every bucket
+        now, so that the full gradient buffers are freed and the next backward starts from the shards."""
+        if self._micro_batch_is_last and self._unreduced:
+            self._flush()
 
     def finish(self) -> None:
         """Waits for every reduce-scatter, then hands owned parameters their reduced gradient.
@@ -614,29 +691,10 @@ class GradientSync:
         self.prepare_backward()  # a reducing backward that gave this rank no gradient still takes part
         self._collect_unhooked()
         self._before_reduce()
-        self._dispatch_ready_reduces(force=True)
-        # Note [pieces] in ``engine/data_parallel.py``: which split parameters got a gradient anywhere, behind the
-        # reduce-scatters' waits.
-        self._flag_reduces = [collectives.start_all_reduce_max(flags, group)
-                              for (_, group), flags in zip(self._split_by_group, self._split_flags)]
-        for bucket in self._reduce_order:
-            if bucket.reduce is not None:
-                self.waiter.wait(bucket.reduce, "reduce_scatter")
-                bucket.reduce = None
-                self.waiter.trace("rs_wait", bucket)
-            if bucket.chunks is not None:
-                bucket.start_replica_reduce()
-                self.waiter.trace("replica_rs_dispatch", bucket)
-        for bucket in self._reduce_order:
-            if bucket.reduce is not None:
-                self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
-                bucket.reduce = None
-                self.waiter.trace("replica_rs_wait", bucket)
-            if bucket.expert:
-                # Note [expert parallelism] in ``engine/process_groups.py``: the expert data-parallel mean, over the E
-                # ranks that sent tokens.
-                self.own_shard(bucket).div_(self.expert_parallel_size)
-            bucket.finish_reduce()
+        if self.sharded:
+            self._finish_sharded()
+        else:
+            self._finish_reductions()
         for own, carried in self._carry:
             own.add_(carried)
         self._carry = []
@@ -656,6 +714,46 @@ class GradientSync:
             self._hand_out(unit)
         self._grads_handed_out = True
         self.synced_at = next(_SYNCS)
+
+    def _start_flag_reduces(self) -> None:
+        # Note [pieces] in ``engine/data_parallel.py``: which split parameters got a gradient anywhere, behind the
+        # reduce-scatters' waits.
+        self._flag_reduces = [collectives.start_all_reduce_max(flags, group)
+                              for (_, group), flags in zip(self._split_by_group, self._split_flags)]
+
+    def _finish_sharded(self) -> None:
+        """Note [sharded gradients]: what no reducing backward reduced yet (the local sums of ``no_sync``, or
+        nothing on a rank no gradient reached) is reduced now; every bucket's shard then holds the sum of every
+        reducing backward's mean."""
+        if self._unreduced or not self._flushed:
+            self._flush()
+        self._start_flag_reduces()
+        for bucket in self._buckets:
+            if bucket.expert:  # the expert data-parallel mean (Note [expert parallelism] in engine/process_groups.py)
+                self.own_shard(bucket).div_(self.expert_parallel_size)
+            bucket.mark_reduced()
+
+    def _finish_reductions(self) -> None:
+        self._dispatch_ready_reduces(force=True)
+        self._start_flag_reduces()
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self.waiter.wait(bucket.reduce, "reduce_scatter")
+                bucket.reduce = None
+                self.waiter.trace("rs_wait", bucket)
+            if bucket.chunks is not None:
+                bucket.start_replica_reduce()
+                self.waiter.trace("replica_rs_dispatch", bucket)
+        for bucket in self._reduce_order:
+            if bucket.reduce is not None:
+                self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
+                bucket.reduce = None
+                self.waiter.trace("replica_rs_wait", bucket)
+            if bucket.expert:
+                # Note [expert parallelism] in ``engine/process_groups.py``: the expert data-parallel mean, over the E
+                # ranks that sent tokens.
+                self.own_shard(bucket).div_(self.expert_parallel_size)
+            bucket.finish_reduce()
 
     def _hand_out(self, unit: GradUnit) -> None:
         """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;
@@ -696,7 +794,8 @@ class GradientSync:
         """Which parameters' gradients autograd adds in place, and which need the gradient hook for that."""
         self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
         for p, rec in self._records.items():
-            rec.inplace = rec.view.dtype == p.dtype and p not in self._stepped_apart
+            # sharded: the full gradient buffer exists only from a bucket's first gradient (Note [sharded gradients])
+            rec.inplace = not self.sharded and rec.view.dtype == p.dtype and p not in self._stepped_apart
             # Note [in-place gradients]: one process reduces nothing, so an in-place gradient needs no hook.
             hooked = not (rec.inplace and self.process_groups.dp is None)
             if hooked and rec.hook is None:
@@ -795,8 +894,7 @@ class GradientSync:
     def own_shard(self, bucket: Bucket) -> torch.Tensor:
         """What this rank steps of ``bucket``'s gradient (its shard, or its chunk of it with replica sharing):
         after the sync, the mean over every rank."""
-        begin, end = bucket.stepped_range
-        return bucket.grad_data[begin:end]
+        return bucket.stepped_grad()
 
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish`).

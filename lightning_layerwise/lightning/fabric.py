@@ -261,8 +261,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         if isinstance(module, LayerwiseDataParallel):
-            self.sync_parameters()
-            module = module.module
+            return self.session.module_state_dict(module.module)
         return module.state_dict()
 
     @override

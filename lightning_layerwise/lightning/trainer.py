@@ -149,6 +149,14 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             ``strategy.process_groups.expert_parallel``, and expert gradients are
             reduced over the ranks holding the same experts. ``E`` must divide the world
             size and every marked layer's expert count. See docs/moe.md.
+        shard_parameters: each rank holds only its shard (1/group) of the parameters and
+            gradients between uses, as FSDP does, with each matrix still whole on its owner
+            (Muon needs no all-to-all). Buckets are all-gathered before their forward and
+            backward and freed after. Read parameters outside a step inside
+            ``llw.full_parameters(model)``. See docs/usage.md, "Sharded parameters".
+        reshard_after_forward: with ``shard_parameters``, free each bucket after its forward
+            and gather it again for its backward (``False``: keep it until its backward: one
+            all-gather fewer per step, more memory).
         process_group_backend: ``"nccl"``, ``"gloo"``…; default by device.
         timeout: collective timeout.
         start_method: how processes are launched, as for ``ddp``.
@@ -177,6 +185,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         elementwise_optimizers: Sequence[Union[type, str]] = (),
         owner_group_size: Union[int, Literal["auto"], None] = "auto",
         expert_parallel_size: int = 1,
+        shard_parameters: bool = False,
+        reshard_after_forward: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -194,7 +204,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             checkpoint_format=checkpoint_format, replica_check_every=replica_check_every,
             skip_nonfinite_steps=skip_nonfinite_steps, elementwise_fill=elementwise_fill,
             elementwise_optimizers=elementwise_optimizers, owner_group_size=owner_group_size,
-            expert_parallel_size=expert_parallel_size, timeout=timeout, start_method=start_method,
+            expert_parallel_size=expert_parallel_size, shard_parameters=shard_parameters,
+            reshard_after_forward=reshard_after_forward, timeout=timeout, start_method=start_method,
             owner=type(self).__name__,
         )
         start_session(self, config)  # self.session: wrapping, steps, checkpoints, teardown
@@ -346,8 +357,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.sync_parameters()
-        return super().lightning_module_state_dict()
+        return self.session.module_state_dict(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

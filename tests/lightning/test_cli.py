@@ -37,6 +37,7 @@ def test_print_config(config, tmp_path):
     strategy = printed["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_layerwise.LayerwiseStrategy"
     assert strategy["init_args"]["bucket_size"] > 0
+    assert strategy["init_args"]["shard_parameters"] is ("sharded" in config.stem)
     if moe:  # the MoE example: experts over 2 expert-parallel ranks, Muon built inside the module
         assert strategy["init_args"]["expert_parallel_size"] == 2
         assert printed["model"]["num_experts"] % 2 == 0 and printed["model"]["lr"] == 0.02
@@ -54,11 +55,12 @@ def test_bad_strategy_value_in_config_is_rejected(tmp_path):
 
 
 @pytest.mark.slow
-def test_short_fit_from_config(tmp_path):
+@pytest.mark.parametrize("config", ["cpu.yaml", "sharded_cpu.yaml"])
+def test_short_fit_from_config(tmp_path, config):
     text = tmp_path / "corpus.txt"
     text.write_text("def add(a, b):\n    return a + b\n\n" * 400)
     out = tmp_path / "runs"
-    cmd = [sys.executable, TRAIN, "fit", "--config", str(ROOT / "examples/configs/cpu.yaml"),
+    cmd = [sys.executable, TRAIN, "fit", "--config", str(ROOT / "examples/configs" / config),
            "--data.text_path", str(text), "--data.batch_size", "4", "--data.block_size", "32",
            "--model.block_size", "32", "--model.n_layer", "2", "--model.n_embd", "32", "--model.n_head", "2",
            "--trainer.max_steps", "6", "--trainer.val_check_interval", "3", "--trainer.limit_val_batches", "2",

@@ -1,0 +1,377 @@
+"""The parameter side with sharded parameters: gather a bucket before it is used, free it after.
+
+With ``shard_parameters=True`` (Note [sharded parameters] in ``engine/buffers.py``) a rank holds
+only its shard of each bucket between uses. :class:`ShardedParameterSync` takes the place of
+:class:`~lightning_layerwise.engine.param_sync.ParameterSync` and decides when each bucket's full
+parameters exist.
+
+Note [when a bucket is full]
+    Forward. The forward pre-hook of a module waits for its buckets (gathering one that is
+    freed) and dispatches the all-gathers of the next ``prefetch_depth`` buckets in
+    forward order. With ``reshard_after_forward`` (the default) it first frees every full
+    bucket the forward has moved past: all but the module's own and those prefetched after
+    its last (a bucket used again later, such as a tied embedding read by the output
+    layer, is gathered again when it is read). Without it, buckets stay full
+    from their forward to their backward. A forward without autograd (validation) frees
+    as it goes whatever the setting.
+
+    Backward. While the wrapper's forward runs, a saved-tensor hook packs every tensor
+    autograd saves on the storage of a bucket's full parameters with its bucket; unpacking
+    it, just before the node that needs it runs, gathers the bucket if it was freed and
+    dispatches the all-gathers of the ``prefetch_depth`` buckets before it in forward
+    order (the usual order of a backward). A bucket is freed as soon as every one of its
+    parameters received its gradient (nothing later in this backward reads it), and every
+    bucket still full when the backward ends is freed then (a callback queued on autograd's
+    engine). Forward pre-hooks that run inside a backward (activation checkpointing
+    recomputes the forward) gather but never free.
+
+    Order. Every decision above depends only on the sequence of modules called and nodes
+    run, which is the same on every rank for the same code, so every rank issues the same
+    all-gathers in the same order. A model whose modules run differently on different
+    ranks (a data-dependent branch, a mixture of experts that skips an expert without
+    tokens) must call every module on every rank, as under FSDP.
+
+Note [sharded experts]
+    Which experts a rank's tokens reach differs between ranks, so a rank may not call an
+    expert (``examples/moe.py`` skips experts without tokens) and autograd then saves
+    nothing of it: gathering expert buckets from the experts' own pre-hooks or from saved
+    tensors would issue different collectives on different ranks. So the layer that holds
+    a marked expert container (``llw.mark_experts``), which runs on every rank, gathers
+    all its expert buckets in its forward pre-hook, and, through a hook on its outputs'
+    gradients (autograd runs it before the layer's backward, on every rank), again before
+    its backward. A saved expert tensor is then always found full; unpacking it never
+    gathers or prefetches. The buckets are freed as dense ones are.
+
+Note [sharded reads]
+    A parameter that does not lie in this rank's shard views its bucket's full buffer; while
+    the bucket is freed the parameter carries the read guard's pending class (Note [read
+    guard] in ``engine/read_guard.py``), so a torch operation on it (``.sum()``, ``.data``,
+    ``state_dict()``) comes here first. Inside the wrapper's forward (which, under Lightning,
+    runs ``training_step``, ``validation_step``...), inside a backward and inside
+    :func:`~lightning_layerwise.full_parameters`, the read gathers the bucket: every rank
+    runs the same code there, so every rank gathers it. Anywhere else a rank cannot know
+    whether the others will gather too, so the read raises
+    :class:`ShardedParameterReadError`, naming ``full_parameters``, instead of waiting for a
+    collective that may never come. Metadata (shape, dtype, ``requires_grad``) is always
+    readable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Literal
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from . import read_guard
+from .buffers import Bucket, ParamState
+from .read_guard import StaleParameterReadError
+from .waiter import Waiter
+
+
+class ShardedParameterReadError(RuntimeError):
+    """A sharded parameter was read where not every rank gathers it (Note [sharded reads])."""
+
+
+def in_backward() -> bool:
+    """Whether the caller runs inside an autograd backward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _SavedFromBucket:
+    """A tensor autograd saved on a bucket's full parameters, and that bucket."""
+
+    __slots__ = ("bucket", "tensor")
+
+    def __init__(self, bucket: Bucket, tensor: torch.Tensor) -> None:
+        self.bucket, self.tensor = bucket, tensor
+
+
+class ShardedParameterSync:
+    """When each bucket's full parameters exist (Note [when a bucket is full]).
+
+    Args:
+        gather_order: every bucket, in forward order.
+        names: each parameter's name, for errors.
+        waiter: waits (errors, timing, tracing) shared with the gradient side.
+        stepped_whole: the parameters that view their bucket's shard (this rank steps them whole).
+        prefetch_depth: how many all-gathers may be in flight at once.
+        reshard_after_forward: free buckets during the forward, gathering them again for the backward.
+        read_guard: ``"wait"`` or ``"strict"`` (reads outside a module's pre-hook raise).
+    """
+
+    overlap = True
+    gathers = True
+
+    def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter, *,
+                 stepped_whole: set, prefetch_depth: int = 2, reshard_after_forward: bool = True,
+                 read_guard: Literal["wait", "strict"] = "wait",
+                 on_backward: Callable[[], None] = lambda: None, write_back: Callable[[], None] = lambda: None) -> None:
+        self.gather_order = gather_order
+        self.names = names
+        self.waiter = waiter
+        self.prefetch_depth = prefetch_depth
+        self.reshard_after_forward = reshard_after_forward
+        self.read_guard = read_guard
+        self._on_backward = on_backward
+        self._write_back = write_back  # full parameters -> this rank's pieces of split ones (held_full)
+        self.guarded_reads = 0
+        """Reads that gathered their bucket outside a forward pre-hook (Note [sharded reads])."""
+        self._index = {id(b): i for i, b in enumerate(gather_order)}
+        self._bucket_by_id = {id(p): b for b in gather_order for p in b.params}
+        self._stepped_whole = {id(p) for p in stepped_whole}
+        # Tensors on a bucket's full parameters, or on its shard (the parameters this rank steps whole): both are
+        # gathered for, so that every rank gathers the same buckets (Note [when a bucket is full]).
+        self._by_storage = {b.param_data.untyped_storage()._cdata: b for b in gather_order}
+        self._shard_ranges: dict[int, list[tuple[int, int, Bucket]]] = {}
+        for b in gather_order:
+            begin = b.param_shard.storage_offset()
+            self._shard_ranges.setdefault(b.param_shard.untyped_storage()._cdata, []).append(
+                (begin, begin + b.param_shard.numel(), b))
+        self._in_flight: list[Bucket] = []
+        self._full: dict[int, Bucket] = {}  # ready buckets, by id
+        self._reads_allowed = 0  # inside the wrapper's forward or full_parameters (Note [sharded reads])
+        self._held = 0  # full_parameters depth: nothing is freed inside
+        self._last_unpacked: Bucket | None = None
+        self.peak_full = 0
+        """The most buckets full (ready or gathering) at once since this was last reset to 0."""
+        for bucket in gather_order:
+            self._guard(bucket)
+
+    # --- the ParameterSync interface ---------------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        return bool(self._in_flight)
+
+    def start(self, buckets: Iterable[Bucket] | None = None, force_sync: bool = False) -> None:
+        """After an optimizer step: the shards of ``buckets`` (default: all) changed, so a full copy of any of
+        them is stale and is freed. Nothing is gathered before the next forward asks (between steps a rank
+        holds only its shards). Inside :meth:`held_full` the stale buckets are gathered again instead."""
+        self.finish()
+        if self._held:  # what was written into the full parameters (a loaded state dict) reaches the shards first
+            self._write_back()
+        stepped = self.gather_order if buckets is None else list(buckets)
+        for bucket in stepped:
+            if bucket.chunks is not None:
+                bucket.share_chunks()
+        stale = [b for b in stepped if b.param_state is not ParamState.FREED]
+        for bucket in stale:
+            self._free(bucket)
+        if self._held:
+            for bucket in stale:
+                self._dispatch(bucket)
+            self.finish()
+
+    def finish(self) -> None:
+        """Waits for every all-gather in flight (before a step writes the shards they read)."""
+        while self._in_flight:
+            self._wait(self._in_flight[0])
+
+    def ensure_gathered(self, bucket: Bucket) -> None:
+        """Makes ``bucket`` full: waits for its all-gather, dispatching it first if it is freed."""
+        if bucket.param_state is ParamState.FREED:
+            self._dispatch(bucket)
+        if bucket.param_state is ParamState.GATHERING:
+            self._wait(bucket)
+
+    def forward_pre_hook(self, buckets: list[Bucket]) -> Callable:
+        """A forward pre-hook that makes ``buckets`` (in :attr:`gather_order`) full before the module runs."""
+        first, last = self._index[id(buckets[0])], self._index[id(buckets[-1])]
+
+        def hook(_module, _args):
+            backward = in_backward()
+            if not backward and self._held == 0 and (self.reshard_after_forward or not torch.is_grad_enabled()):
+                self._free_outside(buckets, first, last)
+            for b in buckets:
+                self.ensure_gathered(b)
+            if not backward:
+                self._prefetch(last, +1)
+        return hook
+
+    def on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
+        """The read guard's callback (Note [sharded reads])."""
+        bucket = self._bucket_by_id[id(param)]
+        if bucket.param_state is ParamState.READY:
+            read_guard.restore(param)
+            return
+        if self._reads_allowed == 0 and not in_backward():
+            if id(param) in self._stepped_whole:
+                return  # its values are here (the optimizer's step); it stays marked for the next forward's reads
+            raise ShardedParameterReadError(
+                f"{self.names[param]!r} was read by {read_guard.describe(func)} while its bucket ({bucket.name}) is "
+                "sharded: with shard_parameters=True this rank holds only its shard of it outside the training, "
+                "validation, test and predict steps. Read it inside `with llw.full_parameters(model):`, which "
+                "every rank must enter (it gathers every parameter), or inside a step. After trainer.fit returns "
+                "the module holds every parameter again.")
+        if self.read_guard == "strict":
+            raise StaleParameterReadError(
+                f"{self.names[param]!r} was read by {read_guard.describe(func)} outside the forward pre-hook of the "
+                f"module that holds it, while its bucket ({bucket.name}) was not gathered. With "
+                "param_read_guard='wait' (the default) this read gathers the bucket and is correct, but costs an "
+                "all-gather that is not overlapped: call the module itself.")
+        self.guarded_reads += 1
+        self.ensure_gathered(bucket)
+
+    def release(self, wait: bool = True) -> None:
+        """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""
+        if wait:
+            self.finish()
+        self._in_flight = []
+
+    # --- the backward (Note [when a bucket is full]) -----------------------------------------------------------
+    def pack(self, tensor: torch.Tensor):
+        """Saved-tensor pack hook: a tensor on a bucket's full parameters remembers its bucket."""
+        with torch._C.DisableTorchFunctionSubclass():
+            storage = tensor.untyped_storage()._cdata
+            bucket = self._by_storage.get(storage)
+            if bucket is None and storage in self._shard_ranges:
+                offset = tensor.storage_offset()
+                bucket = next((b for begin, end, b in self._shard_ranges[storage] if begin <= offset < end), None)
+        return tensor if bucket is None else _SavedFromBucket(bucket, tensor)
+
+    def unpack(self, saved):
+        """Saved-tensor unpack hook: the bucket of a saved parameter is full before its node runs."""
+        if type(saved) is not _SavedFromBucket:
+            return saved
+        self._on_backward()
+        bucket = saved.bucket
+        if bucket.expert:  # Note [sharded experts]: their layer gathered them; no collective depends on tokens
+            if bucket.param_state is not ParamState.READY:
+                raise RuntimeError(f"bucket {bucket.name} of experts was not gathered before their backward")
+            return saved.tensor
+        if bucket.param_state is not ParamState.READY:
+            self.ensure_gathered(bucket)
+        if bucket is not self._last_unpacked:  # the backward reached another bucket: prefetch the ones before it
+            self._last_unpacked = bucket
+            self._prefetch(self._index[id(bucket)], -1)
+        return saved.tensor
+
+    def before_backward_of(self, buckets: list[Bucket]) -> Callable:
+        """A forward hook for a layer holding experts: before the layer's backward, its expert ``buckets`` are
+        full (Note [sharded experts])."""
+        def gather(_grads) -> None:
+            self._on_backward()
+            for b in buckets:
+                if b.param_state is ParamState.FREED:
+                    self._dispatch(b)
+            for b in buckets:
+                self.ensure_gathered(b)
+
+        def hook(_module, _args, output) -> None:
+            if torch.is_grad_enabled():
+                outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+                if outputs:
+                    torch.autograd.graph.register_multi_grad_hook(outputs, gather, mode="any")
+        return hook
+
+    def saved_tensors_hooks(self):
+        """The context the wrapper's forward runs in."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def grads_done(self, bucket: Bucket) -> None:
+        """Every parameter of ``bucket`` received its gradient in this backward: nothing later reads it."""
+        if self._held == 0 and bucket.param_state is ParamState.READY:
+            self._free(bucket)
+
+    def end_of_backward(self) -> None:
+        """A backward ended: every bucket still full is freed."""
+        self._last_unpacked = None
+        self.reshard_all()
+
+    def reshard_all(self) -> None:
+        """Frees every full bucket (after a backward, or a forward no backward follows), unless held full."""
+        self.finish()
+        if self._held == 0:
+            for bucket in list(self._full.values()):
+                self._free(bucket)
+
+    # --- reads and full_parameters (Note [sharded reads]) ----------------------------------------------------
+    @contextlib.contextmanager
+    def reads_allowed(self):
+        """Reads of sharded parameters gather their bucket inside (every rank runs the same code there)."""
+        self._reads_allowed += 1
+        try:
+            yield
+        finally:
+            self._reads_allowed -= 1
+
+    @contextlib.contextmanager
+    def held_full(self):
+        """Every bucket full inside, and none freed (collective: every rank enters it). On exit, and before a
+        step's :meth:`start` inside, what was written into split parameters reaches this rank's pieces."""
+        self._held += 1
+        try:
+            with self.reads_allowed():
+                self.gather_all()
+                yield
+        finally:
+            self._held -= 1
+            if self._held == 0:
+                self.finish()
+                self._write_back()
+                for bucket in list(self._full.values()):
+                    self._free(bucket)
+
+    def gather_all(self) -> None:
+        """Makes every bucket full (collective), for good: the wrapper is being released."""
+        for bucket in self.gather_order:
+            if bucket.param_state is ParamState.FREED:
+                self._dispatch(bucket)
+        self.finish()
+
+    @property
+    def full_buckets(self) -> list[Bucket]:
+        """The buckets whose full parameters exist now (ready or being gathered)."""
+        return [b for b in self.gather_order if b.param_state in (ParamState.READY, ParamState.GATHERING)]
+
+    # --- moves -------------------------------------------------------------------------------------------------
+    def _dispatch(self, bucket: Bucket) -> None:
+        bucket.start_unshard()
+        self._in_flight.append(bucket)
+        self.waiter.trace("ag_dispatch", bucket)
+        self.peak_full = max(self.peak_full, len(self._full) + len(self._in_flight))
+
+    def _wait(self, bucket: Bucket) -> None:
+        self.waiter.wait(bucket.gather, "all_gather")
+        bucket.finish_gather()
+        self._in_flight.remove(bucket)
+        self._full[id(bucket)] = bucket
+        for p in bucket.params:
+            read_guard.restore(p)
+        self.waiter.trace("ag_wait", bucket)
+
+    def _free(self, bucket: Bucket) -> None:
+        if bucket.param_state is ParamState.GATHERING:
+            self._wait(bucket)
+        bucket.reshard()
+        self._full.pop(id(bucket), None)
+        self._guard(bucket)
+        self.waiter.trace("free", bucket)
+
+    def _guard(self, bucket: Bucket) -> None:
+        """Every parameter of a freed bucket is marked, those this rank holds whole too: a read of one in a
+        step gathers the bucket on every rank, its owner included (Note [sharded reads])."""
+        for p in bucket.params:
+            read_guard.mark_pending(p)
+
+    def _free_outside(self, keep: list[Bucket], first: int, last: int) -> None:
+        """Frees the full buckets a forward has moved past: every one but the module's own (``keep``, from position
+        ``first`` to ``last`` of the forward order) and those prefetched for the modules after it."""
+        for bucket in list(self._full.values()):
+            i = self._index[id(bucket)]
+            if not last < i <= last + self.prefetch_depth and bucket not in keep:
+                self._free(bucket)
+
+    def _prefetch(self, index: int, step: int) -> None:
+        """Dispatches the all-gathers of up to ``prefetch_depth`` freed buckets after (``step=+1``) or before
+        (``-1``) position ``index`` of the forward order, while fewer than ``prefetch_depth`` are in flight."""
+        i = index + step
+        for _ in range(self.prefetch_depth):
+            if not 0 <= i < len(self.gather_order) or len(self._in_flight) >= self.prefetch_depth:
+                return
+            bucket = self.gather_order[i]
+            if bucket.param_state is ParamState.FREED:
+                self._dispatch(bucket)
+            i += step

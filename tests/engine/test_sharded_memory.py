@@ -1,0 +1,116 @@
+"""What a rank holds with sharded parameters, counted in bytes of storage, at 4 gloo ranks.
+
+At the end of a forward, during and at the end of its backward and after the optimizer step, every storage that
+holds parameters, gradients, pieces or optimizer state on a rank is counted once (by storage, so views
+of one buffer are not counted twice; a freed buffer counts zero). The bound, with ``P`` the parameter
+bytes and ``G`` the gradient bytes of the whole model, ``g`` the ranks per owner group, ``S`` the rank's
+optimizer state and ``B`` the largest bucket::
+
+    held <= 1.05 (P + G) / g + S + working set
+
+where the working set is at most ``prefetch_depth + 1`` full buckets of parameters, plus as many of
+gradients during the backward, and nothing after the step. The optimizer state is counted as it is
+(each rank's AdamW state of what it steps: the layout balances it within a few percent of ``1/g``,
+which is checked too). A mutation that never frees a bucket after its use fails the bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_layerwise as llw
+from _dist import run_distributed
+from lightning_layerwise.engine import sharded
+
+WORLD = 4
+DEPTH = 2
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 48, layers: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.head = nn.Linear(width, 40)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = h + layer(h).tanh()
+        return self.head(h)
+
+
+def held_bytes(model: nn.Module, wrapper, optimizer) -> int:
+    """Bytes of every distinct storage holding parameters, gradients, pieces, shards or optimizer state."""
+    tensors = []
+    with torch._C.DisableTorchFunctionSubclass():
+        for p in model.parameters():
+            tensors += [p, p.grad]
+        for piece in wrapper.grad_sync.pieces.values():
+            tensors += [piece, piece.grad]
+        for b in wrapper.buckets:
+            tensors += [b.param_data, b.grad_data, b.param_shard, b.grad_shard]
+        for state in optimizer.state.values():
+            tensors += [v for v in state.values() if torch.is_tensor(v)]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                    for t in tensors if t is not None and not isinstance(t, llw.SplitGradient)}
+    return sum(storages.values())
+
+
+def optimizer_bytes(optimizer) -> int:
+    return sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.dim() > 0)
+
+
+def _memory_worker(rank, world, mutation):
+    if mutation == "never-free":
+        sharded.ShardedParameterSync._free_outside = lambda self, keep, first, last: None
+        sharded.ShardedParameterSync.grads_done = lambda self, bucket: None
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=3000,
+                                                       prefetch_depth=DEPTH))
+    model = Stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = session.wrap(model, optimizer)
+    g = torch.Generator().manual_seed(rank)
+    counts, during = [], []
+    for layer in (model.layers[2], model.layers[6]):  # in the middle of the backward
+        layer.weight.register_post_accumulate_grad_hook(
+            lambda p: during.append(held_bytes(model, wrapped, optimizer)))
+    for _ in range(3):
+        idx = torch.randint(0, 40, (8, 4), generator=g)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(wrapped(idx).reshape(-1, 40), idx.reshape(-1))
+        forward = held_bytes(model, wrapped, optimizer)
+        session.backward(loss)
+        backward = held_bytes(model, wrapped, optimizer)
+        session.step(optimizer)
+        step = held_bytes(model, wrapped, optimizer)
+        counts.append((forward, max(during[-2:] + [backward]), step, optimizer_bytes(optimizer)))
+    numel = sum(p.numel() for p in model.parameters())
+    bucket = max(b.param_data.numel() for b in wrapped.buckets) * 4
+    return counts, numel * 4, bucket, len(wrapped.buckets)
+
+
+@pytest.mark.parametrize("mutation", [None, "never-free"])
+def test_each_rank_holds_its_shard_and_a_bounded_working_set(mutation):
+    results = run_distributed(_memory_worker, WORLD, mutation)
+    over = []
+    for rank, (counts, P, bucket, n_buckets) in enumerate(results):
+        assert n_buckets >= 6, "several buckets, so the working set is a part of the model"
+        for step, (forward, backward, after_step, state) in enumerate(counts):
+            shards = 1.05 * 2 * P / WORLD
+            limits = {"forward": shards + state + (DEPTH + 1) * bucket,
+                      "backward": shards + state + 2 * (DEPTH + 1) * bucket,
+                      "step": shards + state}
+            for when, held in (("forward", forward), ("backward", backward), ("step", after_step)):
+                if held > limits[when]:
+                    over.append((rank, step, when, held, int(limits[when])))
+        total_state = sum(c[-1][3] for c, *_ in results)
+        assert counts[-1][3] <= 1.1 * total_state / WORLD, "the optimizer state is spread evenly"
+    if mutation is None:
+        assert not over, over
+    else:
+        assert over, "a wrapper that never frees a bucket stayed within the bound: the test cannot fail"
