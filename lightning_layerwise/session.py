@@ -59,6 +59,18 @@ A plain torch loop under ``torchrun``::
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the full gradient's norm
         session.step(optimizer)
     session.release()
+
+Note [sharded saves]
+    With sharded parameters a rank never holds the whole model, and a checkpoint must not
+    make it. A sharded directory is written from what each rank owns: the parameters it
+    steps whole, read straight from its shard, and the split parameters whose first piece
+    it steps, for which the buckets holding split parameters are gathered one at a time
+    (every rank takes part, so the collectives agree). A full file is rank 0's to write:
+    every bucket is gathered in turn, rank 0 copies its entries to its own memory, the other
+    ranks keep nothing, and no rank holds more than one full bucket on the device. Loading
+    mirrors it: a sharded directory reads into the shards, with the split parameters'
+    buckets held full so that each rank's pieces take their part (and a full file is copied
+    in bucket by bucket, every rank alike, each shard keeping its part).
 """
 
 from __future__ import annotations
@@ -236,7 +248,11 @@ class LayerwiseSession:
             overlap_param_gather=c.overlap_param_gather is not False, prefetch_depth=c.prefetch_depth,
             grad_reduce_dtype=self._grad_reduce_dtype(), broadcast_buffers=c.broadcast_buffers,
             param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout,
-            shard_parameters=c.shard_parameters, reshard_after_forward=c.reshard_after_forward)
+            shard_parameters=c.shard_parameters, reshard_after_forward=c.reshard_after_forward, device=self.env.device)
+        replaced = self.wrapper.replaced_parameters  # a meta-device model was materialized: new parameter objects
+        for optimizer in optimizers if replaced else ():
+            for group in optimizer.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
         self.wrapper.on_new_trainable = self._replan
         if self._gradient_utilities is None:  # torch's clipping sees the global norm while wrapped
             self._gradient_utilities = gradient_utilities()
@@ -540,12 +556,38 @@ class LayerwiseSession:
         module = module if module is not None else self.module
         self.sync_parameters()
         wrapper = self.wrapper
-        if wrapper is None or not wrapper.shard_parameters:
+        if wrapper is None or not wrapper.shard_parameters or module is not self.module:
             return module.state_dict()
-        with wrapper.full_parameters():
-            state = module.state_dict()
-            return {k: v.clone() if torch.is_tensor(v) and wrapper.holds_full_storage(v) else v
-                    for k, v in state.items()}
+        return self._sharded_state_dict(module, wrapper)
+
+    def _sharded_state_dict(self, module: torch.nn.Module, wrapper: LayerwiseDataParallel) -> dict[str, Any]:
+        """Note [sharded saves]: the entries this rank writes in the save format, with at most one bucket full at a
+        time. A sharded directory: the parameters this rank steps whole, read from its shard, and the split
+        parameters whose first piece it steps, from their buckets gathered one by one; rank 0 also the buffers and
+        frozen parameters. A full file: rank 0 every entry, every bucket gathered in turn; the other ranks take
+        part in the gathers and keep nothing."""
+        live = module.state_dict(keep_vars=True)  # the tensors themselves: nothing is read
+        if self.checkpoints.save_format.name == "sharded":
+            ownership = self.checkpoints.ownership()
+            wanted = {k for k, t in live.items() if ownership.writes(t)}
+            buckets = wrapper.split_buckets
+        else:
+            wanted = set(live) if self.is_global_zero else set()
+            buckets = wrapper.param_sync.gather_order
+        keys_of: dict[int, list[str]] = {}
+        for key, tensor in live.items():
+            keys_of.setdefault(id(tensor), []).append(key)
+        state: dict[str, Any] = {}
+        for bucket in buckets:
+            with wrapper.held_full([bucket]):
+                for p in bucket.params:
+                    for key in keys_of.get(id(p), ()):
+                        if key in wanted:
+                            state[key] = p.detach().clone()  # the full buffer is freed next
+        for key, tensor in live.items():
+            if key in wanted and key not in state:  # a shard, a buffer, a frozen parameter: held here
+                state[key] = tensor.detach() if torch.is_tensor(tensor) else tensor
+        return {k: state[k] for k in live if k in state}
 
     # --- checkpoints -------------------------------------------------------------------------------------------------
     def ownership(self):

@@ -15,9 +15,10 @@ fi
 .venv-lowest/bin/python -c "import lightning; print('lightning', lightning.__version__)"
 # The cases at 3 and 4 ranks (and 3 -> 1 resharding) are left to that run as well: world sizes exercise the
 # engine's layouts and groups, while the adapters' protocols are the same at 2 ranks.
-# So are the sharded-parameter cases ("sharded"): they exercise the engine behind the same adapters.
+# So are the sharded-parameter cases (Fabric's sharded_parameters loop, the sharded_cpu config): they exercise the
+# engine behind the same adapters.
 exec .venv-lowest/bin/python -m pytest -q \
-  -k "not late and not again and not 3-first and not 3-None and not 3-1- and not 4-3- and not session-3 and not sharded" "$@" \
+  -k "not late and not again and not 3-first and not 3-None and not 3-1- and not 4-3- and not session-3 and not sharded_parameters and not sharded_cpu" "$@" \
   tests/lightning/test_trainer.py tests/lightning/test_fabric.py tests/lightning/test_ddp_patterns.py \
   tests/checkpoint/test_checkpoint_resharding.py tests/lightning/test_cli.py tests/lightning/test_finetuning.py \
   tests/lightning/test_strategy_arguments.py::test_bad_strategy_arguments \

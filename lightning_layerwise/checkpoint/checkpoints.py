@@ -215,12 +215,17 @@ class SessionCheckpoints:
              weights_only: Optional[bool] = None, strict_hint: str = "", file_io: Any = None,
              memory_map: bool = True) -> Loaded:
         """Reads a checkpoint from :meth:`resolve_path`'s ``path`` in the format found there (collective).
-        With sharded parameters the module is whole while a sharded directory loads into it."""
-        with self.session.full_parameters():
-            return format_on_disk(path).read(self, path, n_optimizers=n_optimizers, strict=strict,
-                                             weights_only=weights_only, strict_hint=strict_hint,
-                                             file_io=file_io if file_io is not None else TorchFileIO(),
-                                             memory_map=memory_map)
+        With sharded parameters a sharded directory loads into the shards, and into the split parameters' buckets
+        held full (Note [sharded saves] in ``session.py``)."""
+        fmt = format_on_disk(path)
+        wrapper = self.session.wrapper
+        held = contextlib.nullcontext()
+        if fmt.name == "sharded" and wrapper is not None and wrapper.shard_parameters:
+            held = wrapper.held_full(wrapper.split_buckets)
+        with held:
+            return fmt.read(self, path, n_optimizers=n_optimizers, strict=strict, weights_only=weights_only,
+                            strict_hint=strict_hint, file_io=file_io if file_io is not None else TorchFileIO(),
+                            memory_map=memory_map)
 
     def read_whole(self, path: Union[Path, str], why: str, **read: Any) -> dict[str, Any]:
         """The whole checkpoint at ``path`` as one dictionary (a file; a sharded directory is refused, naming
@@ -236,7 +241,11 @@ class SessionCheckpoints:
             raise CheckpointError(
                 f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is "
                 "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
-        with self.session.full_parameters():  # sharded parameters: every rank writes alike, its shard keeps it
+        wrapper = self.session.wrapper
+        if wrapper is not None and wrapper.shard_parameters:
+            load_bucket_by_bucket(self.session.module, wrapper, state_dict, strict)
+        else:
+            self.session.sync_parameters()
             self.session.module.load_state_dict(state_dict, strict=strict)
         self.after_model_load()
 
@@ -299,6 +308,31 @@ class SessionCheckpoints:
     def release(self) -> None:
         """The layout is about to go: keep what this rank owned of it, for saves after training."""
         self.released_ownership = self.ownership()
+
+
+def load_bucket_by_bucket(module: nn.Module, wrapper, state_dict: dict[str, Any], strict: bool) -> None:
+    """``module.load_state_dict(state_dict, strict)`` with sharded parameters (Note [sharded saves] in
+    ``session.py``): each bucket is held full while its entries are copied in (every rank copies alike, so each
+    shard keeps its part), then the rest; missing and unexpected keys are refused as ``load_state_dict`` refuses
+    them, before anything is copied."""
+    live = module.state_dict(keep_vars=True)
+    missing = [k for k in live if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in live]
+    if strict and (missing or unexpected):
+        parts = ([f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. "] if unexpected
+                 else []) + ([f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}. "] if missing
+                             else [])
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(parts))
+    keys_of: dict[int, list[str]] = {}
+    for key, tensor in live.items():
+        keys_of.setdefault(id(tensor), []).append(key)
+    done: set[str] = set()
+    for bucket in wrapper.param_sync.gather_order:
+        part = {k: state_dict[k] for p in bucket.params for k in keys_of.get(id(p), ()) if k in state_dict}
+        with wrapper.held_full([bucket]):
+            module.load_state_dict(part, strict=False)
+        done.update(part)
+    module.load_state_dict({k: v for k, v in state_dict.items() if k not in done}, strict=False)
 
 
 def _optimizer_entries(rest: dict[str, Any], keys: Optional[Sequence[str]], path: Any) -> list[dict[str, Any]]:

@@ -362,36 +362,54 @@ def shard_buckets(layout: Layout, flat_buffers: list[FlatBuffer], buckets: list[
     layout buffer (what zeroing the gradients and checkpoints of the shards see).
 
     ``stepped_whole``: the names of the parameters this rank steps whole; they view their bucket's shard."""
+    sharded = allocate_shards(layout, buckets, [(f.params.dtype, f.grads.dtype) for f in flat_buffers],
+                              flat_buffers[0].params.device)
+    for bucket, bp in zip(buckets, (bp for plan in layout.buffers for bp in plan.buckets)):
+        cut_shard(bucket, bp, layout, named, stepped_whole, bucket.param_data.clone())
+    return sharded
+
+
+def allocate_shards(layout: Layout, buckets: list[Bucket], dtypes: list[tuple[torch.dtype, torch.dtype]],
+                    device: torch.device) -> list[FlatBuffer]:
+    """Each layout buffer's shards of this rank, one pair of tensors (parameters, gradients) per buffer, and
+    every bucket's slices of them; each bucket's full gradient buffer, freed (the gradient side makes its views of
+    it bucket by bucket). Values are not set."""
     sharded = []
     for b_index, plan in enumerate(layout.buffers):
-        flat = flat_buffers[b_index]
         mine = [b for b in buckets if b.buffer == b_index]
-        total = sum(b.param_data.numel() // b.shards for b in mine)
-        params = torch.empty(total, dtype=flat.params.dtype, device=flat.params.device)
-        grads = torch.zeros(total, dtype=flat.grads.dtype, device=flat.grads.device)
+        param_dtype, grad_dtype = dtypes[b_index]
+        total = sum(bp.numel // bp.shards for bp in plan.buckets)
+        params = torch.empty(total, dtype=param_dtype, device=device)
+        grads = torch.zeros(total, dtype=grad_dtype, device=device)
         position = 0
         for bucket, bp in zip(mine, plan.buckets):
-            begin, end = bucket.shard
-            size = end - begin
+            size = bp.numel // bp.shards
             bucket.param_shard = params[position:position + size]
             bucket.grad_shard = grads[position:position + size]
-            bucket.param_shard.copy_(bucket.param_data[begin:end])
-            full = bucket.param_data.clone()  # a storage of its own, freed below
-            # freed once the gradient side has made its views of it (a view of a freed storage cannot be made)
-            bucket.grad_data = torch.empty(bp.numel, dtype=flat.grads.dtype, device=flat.grads.device)
-            for name in bp.params:
-                slot, p = layout.params[name], named[name]
-                inside = slot.offset - bp.start
-                if name in stepped_whole:
-                    p.data = view_of(bucket.param_shard, slot, like=p, offset=inside - begin)
-                else:
-                    p.data = view_of(full, slot, like=p, offset=inside)
-            bucket.param_data = full
-            free(full)
-            bucket.param_state = ParamState.FREED
+            bucket.grad_data = torch.empty(bp.numel, dtype=grad_dtype, device=device)
+            free(bucket.grad_data)
             position += size
         sharded.append(FlatBuffer(params, grads))
     return sharded
+
+
+def cut_shard(bucket: Bucket, bp, layout: Layout, named: dict[str, nn.Parameter], stepped_whole: set[str],
+              full: torch.Tensor) -> None:
+    """``full`` holds the bucket's current parameters (every rank alike): this rank's shard is kept, every
+    parameter of the bucket is pointed at the shard (those this rank steps whole) or at ``full``, which becomes
+    the bucket's full buffer, freed."""
+    begin, end = bucket.shard
+    bucket.param_shard.copy_(full[begin:end])
+    for name in bp.params:
+        slot, p = layout.params[name], named[name]
+        inside = slot.offset - bp.start
+        if name in stepped_whole:
+            p.data = view_of(bucket.param_shard, slot, like=p, offset=inside - begin)
+        else:
+            p.data = view_of(full, slot, like=p, offset=inside)
+    bucket.param_data = full
+    free(full)
+    bucket.param_state = ParamState.FREED
 
 
 def build_buckets(layout: Layout, flat_buffers: list[FlatBuffer], named: dict[str, nn.Parameter],

@@ -113,8 +113,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives
-from .buffers import (Bucket, FlatBuffer, ParamState, allocate_buffers, build_buckets, free, shard_buckets,
-                      view_of)
+from .buffers import (Bucket, FlatBuffer, ParamState, allocate_buffers, allocate_shards, build_buckets, cut_shard,
+                      allocate, free, shard_buckets, view_of)
+from .materialize import check_materializable, has_meta_tensors, materialize
 from .grad_sync import _LIVE, GradientSync, GradUnit, _forget, wrapper_of
 from .param_sync import ParameterSync
 from .sharded import ShardedParameterSync
@@ -168,6 +169,8 @@ class LayerwiseDataParallel(nn.Module):
             and backward (Note [when a bucket is full] in ``engine/sharded.py``).
         reshard_after_forward: with ``shard_parameters``, free buckets during the forward and gather them
             again for the backward (``False``: keep them from the forward to the backward).
+        device: where a model built on the meta device is materialized (Note [meta-device models] in
+            ``engine/materialize.py``); default: the current CUDA device under NCCL, else the CPU.
     """
 
     def __init__(
@@ -188,6 +191,7 @@ class LayerwiseDataParallel(nn.Module):
         layout: Layout | None = None,
         shard_parameters: bool = False,
         reshard_after_forward: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
@@ -211,26 +215,38 @@ class LayerwiseDataParallel(nn.Module):
         self.expert_names = frozenset(s.name for s in specs if s.kind == "expert") | (
             {n for n, p in module.named_parameters() if expert(n, p)} if expert is not None else set())
         """The expert parameters' names (frozen ones included): reduced over the expert data-parallel group."""
-        named = dict(module.named_parameters())
-        self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
         self.shard_parameters = shard_parameters and self.process_groups.dp is not None
         """Whether each rank holds only its shard of the parameters (one process holds everything anyway)."""
+        self.replaced_parameters: dict[int, nn.Parameter] = {}
+        """A model built on the meta device (Note [meta-device models] in ``engine/materialize.py``): ``id`` of each
+        meta parameter -> the parameter that replaced it (optimizers holding the former must take the latter)."""
+        meta = has_meta_tensors(module)
+        if meta:
+            check_materializable(module)  # before any collective, on every rank alike
+            if not self.shard_parameters:
+                self.replaced_parameters = materialize(module, self._materialize_device(device))
+        named = dict(module.named_parameters())
+        self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
         if self.shard_parameters:
             _check_sharding(self.layout, param_read_guard, named, self._param_names)
         self._flat_buffers = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs}, grad_reduce_dtype)
         self._buckets = build_buckets(self.layout, self._flat_buffers, named, [s.name for s in specs],
                                       self.process_groups, self.ranks)
-        self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
-        self._broadcast_from_rank0()
-        if self.shard_parameters:
-            self._flat_buffers = shard_buckets(self.layout, self._flat_buffers, self._buckets, named,
-                                               self._stepped_whole_names())
+        if self.shard_parameters and meta:  # bucket by bucket: a rank never holds the whole model
+            self._flat_buffers = self._materialize_sharded(named, self._materialize_device(device))
+            named = dict(module.named_parameters())
+            self._param_names = {named[s.name]: s.name for s in specs}
+            self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
+            self._broadcast_from_rank0(layout_buffers=False)
+        else:
+            self._bucket_of = {p: b for b in self._buckets for p in b.params}
+            self._broadcast_from_rank0()
+            if self.shard_parameters:
+                self._flat_buffers = shard_buckets(self.layout, self._flat_buffers, self._buckets, named,
+                                                   self._stepped_whole_names())
         self._waiter = Waiter(self.dp_rank, self.dp_size, trace)
         self._end_of_backward_queued = False
         self.grad_sync = self._gradient_side(overlap_grad_reduce)
-        if self.shard_parameters:
-            for bucket in self._buckets:
-                free(bucket.grad_data)
         every_read_guarded = self._guard_reads(named)
         gather_order = sorted(self._buckets, key=lambda b: b.first_param)
         if self.shard_parameters:
@@ -265,15 +281,15 @@ class LayerwiseDataParallel(nn.Module):
         as parameters of their own viewing the param buffer (Note [pieces])."""
         grad_views, owned, split, pieces = {}, set(), [], {}
         stepped_slots = {} if self.shard_parameters else None
+        if self.shard_parameters:
+            grad_views = self._full_gradient_views()
         for p, name in self._param_names.items():
             slot = self.layout.params[name]
             bucket = self._bucket_of[p]
             if self.shard_parameters:
                 # Note [sharded parameters] in ``engine/buffers.py``: local gradients go to the full buffer; what
                 # this rank steps is handed its slot of the shard.
-                inside, first = slot.offset - bucket.start, bucket.shard[0]
-                grad_views[p] = view_of(bucket.grad_data, slot, like=p, offset=inside)
-                params_of, grads_of, base = bucket.param_shard, bucket.grad_shard, bucket.start + first
+                params_of, grads_of, base = bucket.param_shard, bucket.grad_shard, bucket.start + bucket.shard[0]
             else:
                 # Strided as the parameter, so the reduced gradient keeps its memory format (Note [memory format]
                 # in ``engine/buffers.py``).
@@ -298,6 +314,66 @@ class LayerwiseDataParallel(nn.Module):
             before_reduce=self.finish_param_sync, sharded=self.shard_parameters, stepped_slots=stepped_slots,
             on_backward=self._backward_started, grads_done=self._grads_done,
             reduces_in_flight=self.prefetch_depth)
+
+    def _materialize_device(self, device: torch.device | None) -> torch.device:
+        if device is not None:
+            return torch.device(device)
+        group = self.process_groups.dp
+        if group is not None and dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _materialize_sharded(self, named: dict[str, nn.Parameter], device: torch.device) -> list[FlatBuffer]:
+        """A meta-device model with sharded parameters (Note [meta-device models] in ``engine/materialize.py``):
+        each bucket is filled as its parameters' values become final, broadcast from the first rank of its group,
+        cut to this rank's shard and freed. Returns the buffers of the shards."""
+        plans = [bp for plan in self.layout.buffers for bp in plan.buckets]  # build_buckets' order
+        plan_of = {id(b): bp for b, bp in zip(self._buckets, plans)}
+        bucket_of = {name: b for b in self._buckets for name in plan_of[id(b)].params}
+        dtypes = [(flat.params.dtype, flat.grads.dtype) for flat in self._flat_buffers]
+        sharded = allocate_shards(self.layout, self._buckets, dtypes, device)
+        name_of = {id(p): n for n, p in named.items()}
+        left = {id(b): len(plan_of[id(b)].params) for b in self._buckets}
+        fulls: dict[int, torch.Tensor] = {}
+        final: dict[str, nn.Parameter] = {}
+        stepped = self._stepped_whole_names()
+
+        def on_final(old: nn.Parameter, new: nn.Parameter) -> None:
+            name = name_of.get(id(old))
+            bucket = bucket_of.get(name)
+            if bucket is None:  # frozen: outside the layout, broadcast with the module's buffers
+                return
+            bp = plan_of[id(bucket)]
+            full = fulls.get(id(bucket))
+            if full is None:
+                full = fulls[id(bucket)] = torch.zeros(bp.numel, dtype=dtypes[bucket.buffer][0], device=device)
+            slot = self.layout.params[name]
+            view = view_of(full, slot, like=new, offset=slot.offset - bp.start)
+            view.copy_(new.detach())
+            new.data = view  # the parameter's own memory goes
+            final[name] = new
+            left[id(bucket)] -= 1
+            if left[id(bucket)] == 0:
+                group = self.process_groups.expert_dp if bucket.expert else self.process_groups.dp
+                collectives.broadcast_tensors([full], group)
+                cut_shard(bucket, bp, self.layout, final, stepped, fulls.pop(id(bucket)))
+
+        self.replaced_parameters = materialize(self.module, device, on_final)
+        for bucket in self._buckets:
+            bucket.params = [self.replaced_parameters.get(id(p), p) for p in bucket.params]
+        return sharded
+
+    def _full_gradient_views(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's slot of its bucket's full gradient buffer, strided as the parameter, made bucket by
+        bucket (a view of a freed storage cannot be made; the buffer is freed again at once)."""
+        views = {}
+        for bucket in self._buckets:
+            allocate(bucket.grad_data)
+            for p in bucket.params:
+                slot = self.layout.params[self._param_names[p]]
+                views[p] = view_of(bucket.grad_data, slot, like=p, offset=slot.offset - bucket.start)
+            free(bucket.grad_data)
+        return views
 
     def _stepped_whole_names(self) -> set[str]:
         """The parameters this rank steps whole (with sharded parameters they view their bucket's shard)."""
@@ -334,12 +410,24 @@ class LayerwiseDataParallel(nn.Module):
             yield
 
     def _write_back_pieces(self) -> None:
-        """Sharded parameters, every bucket full: what was written into a split parameter reaches this rank's
+        """Sharded parameters: what was written into a split parameter whose bucket is full reaches this rank's
         piece of it (whole parameters this rank steps view its shard: nothing to do)."""
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for p, piece in self.grad_sync.pieces.items():
-                where = self.piece_of(p)
-                piece.copy_(p.reshape(-1)[where.start:where.stop])
+                if self._bucket_of[p].param_state is ParamState.READY:
+                    where = self.piece_of(p)
+                    piece.copy_(p.reshape(-1)[where.start:where.stop])
+
+    def held_full(self, buckets: list[Bucket]):
+        """Sharded parameters: a context inside which ``buckets`` are full (collective; every rank names the same
+        buckets). Writes into their split parameters reach this rank's pieces on exit."""
+        return self.param_sync.held(buckets)
+
+    @property
+    def split_buckets(self) -> list[Bucket]:
+        """The buckets holding a split parameter, in all-gather order (the same on every rank)."""
+        split = {id(self._bucket_of[p]) for p, n in self._param_names.items() if self.layout.params[n].split}
+        return [b for b in self.param_sync.gather_order if id(b) in split]
 
     def _readable(self, p: nn.Parameter) -> bool:
         """Whether ``p``'s values are held on this rank now (always, unless sharded and its bucket is freed)."""
@@ -811,19 +899,21 @@ class LayerwiseDataParallel(nn.Module):
         )
 
     # --- set-up --------------------------------------------------------------------
-    def _broadcast_from_rank0(self) -> None:
+    def _broadcast_from_rank0(self, layout_buffers: bool = True) -> None:
         """Every rank starts from rank 0's values; expert parameters from the first rank holding the same
-        experts (Note [expert parallelism] in ``engine/process_groups.py``)."""
+        experts (Note [expert parallelism] in ``engine/process_groups.py``). ``layout_buffers=False``: the
+        parameters in the layout were broadcast bucket by bucket already (Note [meta-device models])."""
         group = self.process_groups.dp
         if group is None:
             return
         experts = self.expert_parallel_size > 1
         expert_buffers = {i for i, plan in enumerate(self.layout.buffers) if experts and plan.kind == "expert"}
         frozen = [(n, p) for n, p in self.module.named_parameters() if p not in self._param_names]
-        dense = [flat.params for i, flat in enumerate(self._flat_buffers) if i not in expert_buffers]
+        flats = self._flat_buffers if layout_buffers else []
+        dense = [flat.params for i, flat in enumerate(flats) if i not in expert_buffers]
         dense += [p.data for n, p in frozen if not (experts and n in self.expert_names)]
         dense += [b for b in self.module.buffers()]
-        expert = [flat.params for i, flat in enumerate(self._flat_buffers) if i in expert_buffers]
+        expert = [flat.params for i, flat in enumerate(flats) if i in expert_buffers]
         expert += [p.data for n, p in frozen if experts and n in self.expert_names]
         with torch.no_grad():
             collectives.broadcast_tensors(dense, group)

@@ -178,15 +178,16 @@ class _GradRecord:
         self.param = param
         self.view = view
         """Its slot of the grad buffer, strided as the parameter."""
-        self.grad = _alias(view)
+        self.grad = _alias(view) if not bucket.sharded else None
         """The ``.grad`` autograd adds into: ``view``'s memory with a version counter of its own (a view shares its
-        buffer's), so an add into it shows in :attr:`version` without a hook."""
+        buffer's), so an add into it shows in :attr:`version` without a hook. ``None`` with sharded parameters:
+        the full buffer exists only while a backward fills it (Note [sharded gradients])."""
         self.bucket = bucket
         self.inplace = False
         """Autograd may accumulate into ``grad`` (same dtype; the optimizer steps the parameter itself)."""
         self.assigned = False
         """``grad`` was made the parameter's ``.grad`` at the last restart (or since)."""
-        self.version = self.grad._version
+        self.version = self.grad._version if self.grad is not None else 0
         """``grad._version`` when arrivals were last accounted for."""
         self.seen = False
         """A gradient arrived this accumulation."""
@@ -494,7 +495,7 @@ class GradientSync:
             # Note [in-place gradients]: autograd adds the next gradients straight into the (zeroed) slot.
             rec.assigned = assign and rec.inplace and p.requires_grad
             p.grad = rec.grad if rec.assigned else None
-            rec.version = rec.grad._version
+            rec.version = rec.grad._version if rec.grad is not None else 0
             rec.seen = rec.carried = False
             rec.handed = None
             if hasattr(p, "main_grad"):

@@ -132,7 +132,7 @@ class ShardedParameterSync:
                 (begin, begin + b.param_shard.numel(), b))
         self._in_flight: list[Bucket] = []
         self._full: dict[int, Bucket] = {}  # ready buckets, by id
-        self._reads_allowed = 0  # inside the wrapper's forward or full_parameters (Note [sharded reads])
+        self._reads_allowed = 0  # inside the wrapper's forward (Note [sharded reads])
         self._held = 0  # full_parameters depth: nothing is freed inside
         self._last_unpacked: Bucket | None = None
         self.peak_full = 0
@@ -196,7 +196,9 @@ class ShardedParameterSync:
         if bucket.param_state is ParamState.READY:
             read_guard.restore(param)
             return
-        if self._reads_allowed == 0 and not in_backward():
+        # Inside a step or a backward every rank reads alike, so a read may gather; inside held() (checkpoints)
+        # each rank reads what it owns, so nothing is gathered on demand there.
+        if self._held or (self._reads_allowed == 0 and not in_backward()):
             if id(param) in self._stepped_whole:
                 return  # its values are here (the optimizer's step); it stays marked for the next forward's reads
             raise ShardedParameterReadError(
@@ -301,11 +303,21 @@ class ShardedParameterSync:
     def held_full(self):
         """Every bucket full inside, and none freed (collective: every rank enters it). On exit, and before a
         step's :meth:`start` inside, what was written into split parameters reaches this rank's pieces."""
+        with self.held(self.gather_order):
+            yield
+
+    @contextlib.contextmanager
+    def held(self, buckets: list[Bucket]):
+        """``buckets`` (in :attr:`gather_order`) full inside, and nothing freed (collective: every rank holds the
+        same buckets). On exit what was written into their split parameters reaches this rank's pieces, and every
+        bucket full is freed."""
         self._held += 1
         try:
-            with self.reads_allowed():
-                self.gather_all()
-                yield
+            for bucket in buckets:
+                if bucket.param_state is ParamState.FREED:
+                    self._dispatch(bucket)
+            self.finish()
+            yield
         finally:
             self._held -= 1
             if self._held == 0:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import atexit
 import inspect
 import weakref
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -42,6 +42,7 @@ from typing_extensions import override
 
 from ..config import config_from_options, named_arguments
 from ..engine.data_parallel import LayerwiseDataParallel
+from ..engine.materialize import has_meta_tensors
 from ..checkpoint.formats import Checkpoint
 from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
 from .precision import sharded_grad_scaler
@@ -113,6 +114,24 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         wrapper = self._setup_wrapper(module, list(optimizers), elementwise=True)
         # Fabric passes a scheduler through this call from Lightning 2.6 on; before, it takes two values back.
         return (wrapper, optimizers, scheduler) if _TAKES_SCHEDULER else (wrapper, optimizers)
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)`` with ``shard_parameters=True`` builds the model on the meta
+        device; ``fabric.setup`` materializes it bucket by bucket (Note [meta-device models] in
+        ``engine/materialize.py``)."""
+        if not (empty_init and self.config.shard_parameters):
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if has_meta_tensors(module):
+            return  # materialized on the device when wrapped (Note [meta-device models])
+        super().module_to_device(module)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

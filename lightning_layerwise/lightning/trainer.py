@@ -57,6 +57,7 @@ from typing_extensions import override
 from .. import checkpoint as ckpt
 from ..config import LayerwiseConfig, refuse_unknown_keywords
 from ..checkpoint.formats import Checkpoint
+from ..engine.materialize import has_meta_tensors
 from ..layout import DEFAULT_BUCKET_SIZE
 from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
@@ -247,6 +248,25 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         self.session.env = session_env(self)
 
     @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None):
+        """``trainer.init_module(empty_init=True)`` with ``shard_parameters=True`` builds the model on the meta
+        device; the strategy materializes it bucket by bucket when it wraps it (Note [meta-device models] in
+        ``engine/materialize.py``)."""
+        if not (empty_init and self.config.shard_parameters):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        if has_meta_tensors(self.model):
+            return  # materialized on the device when wrapped (Note [meta-device models])
+        super().model_to_device()
+
+    @override
     def configure_ddp(self) -> None:
         self.model = self.session.wrap(self.model, self._user_optimizers(),
                                        master_weights=isinstance(self.precision_plugin, HalfPrecision))
@@ -271,6 +291,10 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             raise ValueError(f"LayerwiseStrategy(expert_parallel_size={self.config.expert_parallel_size}) runs "
                              "inside fit only (validation during fit works); for trainer.validate/test/predict use "
                              "expert_parallel_size=1 with a model that holds every expert.")
+        elif has_meta_tensors(self.model):
+            raise ValueError("a model built on the meta device (trainer.init_module(empty_init=True) with "
+                             "shard_parameters=True) is materialized when it is wrapped for fit; for "
+                             "trainer.validate/test/predict build it on the device.")
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()

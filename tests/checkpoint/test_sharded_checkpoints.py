@@ -16,6 +16,7 @@ since outside a step a rank holds only its shard).
 from __future__ import annotations
 
 import lightning as L
+import torch
 import pytest
 
 import lightning_layerwise as llw
@@ -68,3 +69,52 @@ def test_sharded_parameter_checkpoints_resume_anywhere(tmp_path, case, optimizer
     for rank, r in enumerate(resumed):
         assert_at_checkpoint(saved_params(path), r, f"{case} rank {rank}")
         assert_continues(reference, r, f"{case} {optimizer} rank {rank}")
+
+
+def _save_gathers_worker(rank, world, fmt, root):
+    import torch
+
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, checkpoint_format=fmt, bucket_size=300))
+    model = Net("adamw")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # element-wise: 2 of its 3 buckets hold a split one
+    wrapped = session.wrap(model, optimizer)
+    for x, y in loader():
+        optimizer.zero_grad()
+        session.backward(torch.nn.functional.mse_loss(wrapped(x), y))
+        session.step(optimizer)
+    wrapped.events = []
+    session.save_checkpoint(f"{root}/{fmt}")
+    events, split = list(wrapped.events), {b.name for b in wrapped.split_buckets}
+    with llw.full_parameters(model):
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    session.release()
+    # A fresh run loads it (sharded parameters again) and holds the same values.
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=300))
+    model = Net("adamw")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    session.wrap(model, optimizer)
+    session.load_checkpoint(f"{root}/{fmt}")
+    with llw.full_parameters(model):
+        loaded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buckets = len(session.wrapper.buckets)
+    session.release()
+    return events, split, buckets, saved, loaded
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_a_save_holds_at_most_one_bucket_full_and_the_sharded_format_gathers_only_split_parameters(tmp_path, fmt):
+    """Note [sharded saves]: a sharded directory is written from the shards, gathering only the buckets holding
+    a split parameter (element-wise fill), each once; a full file gathers every bucket once, one at a time. Read
+    back into a sharded run, every parameter is the saved one."""
+    for events, split, n_buckets, saved, loaded in run_distributed(_save_gathers_worker, 2, fmt, str(tmp_path)):
+        gathered = [b for e, b in events if e == "ag_dispatch"]
+        assert len(gathered) == len(set(gathered)), "each bucket gathered once"
+        assert set(gathered) == (split if fmt == "sharded" else set(gathered))
+        assert len(gathered) == (len(split) if fmt == "sharded" else n_buckets)
+        assert split and len(split) < n_buckets, "the case has split and unsplit buckets"
+        full = 0
+        for event, _ in events:
+            full += {"ag_dispatch": 1, "free": -1}.get(event, 0)
+            assert full <= 1, "one bucket full at a time"
+        for name, value in saved.items():
+            assert torch.equal(loaded[name], value), name

@@ -12,6 +12,9 @@ where the working set is at most ``prefetch_depth + 1`` full buckets of paramete
 gradients during the backward, and nothing after the step. The optimizer state is counted as it is
 (each rank's AdamW state of what it steps: the layout balances it within a few percent of ``1/g``,
 which is checked too). A mutation that never frees a bucket after its use fails the bound.
+
+A model built on the meta device is materialized at set-up with a peak of its shards and about two buckets
+(measured by the profiler's record of every allocation), its values rank 0's and equal to a plain build.
 """
 
 from __future__ import annotations
@@ -114,3 +117,59 @@ def test_each_rank_holds_its_shard_and_a_bounded_working_set(mutation):
         assert not over, over
     else:
         assert over, "a wrapper that never frees a bucket stayed within the bound: the test cannot fail"
+
+
+# --- a model built on the meta device (Note [meta-device models] in engine/materialize.py) -------------------------
+
+def _peak_during(fn):
+    """``fn()``, the peak bytes the CPU allocator held above its level at the start while it ran, and the bytes
+    still held at its end (every allocation and free recorded by the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return out, peak
+
+
+def _setup_worker(rank, world, meta):
+    torch.manual_seed(rank)  # each rank's own random state: the values must still be rank 0's
+    with torch.device("meta" if meta else "cpu"):
+        model = Stack(width=96, layers=12)
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=12000))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped, peak = _peak_during(lambda: session.wrap(model, optimizer))
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    in_optimizer = all(id(p) in stepped or id(wrapped.shard_of(p)) in stepped for p in model.parameters())
+    with llw.full_parameters(model):
+        values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    numel = sum(p.numel() for p in model.parameters())
+    bucket, n_buckets = max(b.param_data.numel() for b in wrapped.buckets), len(wrapped.buckets)
+    session.release()
+    return peak, numel * 4, bucket * 4, n_buckets, values, in_optimizer
+
+
+def test_a_meta_device_model_is_materialized_bucket_by_bucket():
+    """Built under ``torch.device("meta")`` (what ``init_module(empty_init=True)`` does with sharded parameters),
+    a 12-layer stack is materialized at 4 ranks with a set-up peak (every allocation recorded by the profiler) of
+    at most its shards and two buckets: one bucket being filled and the parameters of the module being
+    initialized. The same model built on the CPU first needs its full buffers at set-up, several times that.
+    Values: rank 0's, equal to building the model on the CPU with rank 0's seed; the optimizer holds the
+    parameters that replaced the meta ones."""
+    meta = run_distributed(_setup_worker, WORLD, True)
+    device = run_distributed(_setup_worker, WORLD, False)
+    torch.manual_seed(0)
+    plain = {n: p.detach() for n, p in Stack(width=96, layers=12).named_parameters()}
+    for rank, (peak, P, bucket, n_buckets, values, in_optimizer) in enumerate(meta):
+        assert n_buckets >= 6
+        bound = 1.05 * 2 * P / WORLD + 2 * bucket
+        assert peak <= bound, f"rank {rank}: set-up peak {peak} B above {bound:.0f} B"
+        assert device[rank][0] > 2 * bound, "building on the device first peaks far higher: the test can fail"
+        assert in_optimizer
+        for name, value in values.items():
+            assert torch.equal(value, plain[name]), (rank, name)

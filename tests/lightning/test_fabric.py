@@ -131,6 +131,67 @@ def test_fabric_loop_equals_one_process(world, opt_name, late_ms):
     print(f"fabric {opt_name} world={world}: max rel err {worst:.2e}")
 
 
+def _sharded_worker(rank, world, opt_name, path):
+    fabric = make_fabric(world, bucket_size=2048, shard_parameters=True)
+    model = gpt(seed=rank)
+    model, opt = fabric.setup(model, optimizer(opt_name, model))
+    norms = train_steps(fabric, model, opt, batches(), rank, world)
+    try:
+        params_of(model)
+        outside = "no error"
+    except llw.ShardedParameterReadError as error:  # between steps a rank holds its shard only
+        outside = str(error)
+    with llw.full_parameters(model):
+        params = params_of(model)
+    fabric.save(path, {"model": model, "optimizer": opt})
+    fabric.strategy.teardown()
+    return params, norms, outside
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late_ms", [None, LATE_MS], ids=["now", "late"])
+@pytest.mark.parametrize("opt_name", ["adamw", "muon"])
+def test_sharded_parameters_under_fabric_equal_one_process(opt_name, late_ms, tmp_path):
+    """``LayerwiseFabricStrategy(shard_parameters=True)``: the loop a user writes (micro-batches under
+    ``no_backward_sync``, global-norm clipping) equals one process; between steps a read raises naming
+    ``llw.full_parameters``, inside it every parameter is whole, and ``fabric.save`` writes the whole model."""
+    path = str(tmp_path / "sharded.ckpt")
+    results = run_distributed(_sharded_worker, 2, opt_name, path, late_ms=late_ms)
+    assert_equal_to_one_process([r[:2] for r in results], reference_run(opt_name), f"sharded {opt_name}")
+    assert all("llw.full_parameters(model)" in r[2] for r in results), results[0][2]
+    saved = torch.load(path, weights_only=True)["model"]
+    for name, value in results[0][0].items():
+        assert torch.equal(saved[name], value), name
+
+
+def _sharded_meta_worker(rank, world):
+    fabric = make_fabric(world, bucket_size=2048, shard_parameters=True)
+    with fabric.init_module(empty_init=True):
+        model = gpt(seed=rank)
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    opt = optimizer("adamw", model)
+    model, opt = fabric.setup(model, opt)
+    materialized = not any(p.is_meta for group in opt.param_groups for p in group["params"])
+    with llw.full_parameters(model):
+        start = params_of(model)
+    train_steps(fabric, model, opt, batches(2), rank, world)
+    with llw.full_parameters(model):
+        end = params_of(model)
+    fabric.strategy.teardown()
+    return built_on_meta, materialized, start, end
+
+
+def test_fabric_init_module_empty_init_builds_on_meta_and_setup_materializes():
+    """``fabric.init_module(empty_init=True)`` with sharded parameters: built on the meta device, materialized by
+    ``fabric.setup`` with rank 0's values on every rank, the optimizer stepping the new parameters."""
+    results = run_distributed(_sharded_meta_worker, 2)
+    for rank, (built_on_meta, materialized, start, end) in enumerate(results):
+        assert built_on_meta and materialized
+        for name in start:
+            assert torch.equal(start[name], results[0][2][name]) and torch.equal(end[name], results[0][3][name])
+        assert max(rel_err(end[n], start[n]) for n in start) > 1e-3, "the steps trained the new parameters"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("opt_name", ["adamw", "muon"])
 def test_owner_groups_under_fabric_equal_one_process(opt_name):

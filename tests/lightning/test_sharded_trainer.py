@@ -9,7 +9,10 @@ tied to the output layer, ``nn.MultiheadAttention`` inside ``nn.TransformerEncod
 before the forward (a penalty). Cases: AdamW at 2 ranks; Muon at 3 with accumulation and clipping by norm;
 AdamW at 4 with non-reentrant activation checkpointing; Muon at 2 under ``bf16-mixed``; AdamW at 2 with
 each block ``torch.compile``d (``aot_eager``: dynamo and AOTAutograd, no C compiler needed); and the
-parameters after ``trainer.fit`` own their storage again. Each runs under the timing fuzzer too.
+parameters after ``trainer.fit`` own their storage again. Each eager case runs under the timing fuzzer too.
+Also: ``bf16-true`` (float32 masters of the shard) against the unsharded run, and a model built in
+``trainer.init_module(empty_init=True)`` (on the meta device, materialized by the strategy) against ``ddp`` from
+the same start.
 """
 
 from __future__ import annotations
@@ -168,3 +171,43 @@ def test_bf16_true_keeps_float32_masters_of_the_shard_and_equals_unsharded():
     for unsharded, sharded in run_distributed(_bf16_true_worker, 2):
         for n in unsharded:
             assert rel_err(sharded[n], unsharded[n]) <= 2 ** -8, (n, rel_err(sharded[n], unsharded[n]))
+
+
+class InitProbe(L.Callback):
+    """The parameters as training starts (a sharded model's, gathered for it)."""
+
+    def on_train_start(self, trainer, pl_module):
+        with llw.full_parameters(pl_module):
+            self.values = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+
+def _meta_worker(rank, world):
+    torch.manual_seed(rank)  # each rank's own random state: rank 0's values are broadcast
+    probe = InitProbe()
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
+                        strategy=llw.LayerwiseStrategy(shard_parameters=True, bucket_size=3000))
+    with trainer.init_module(empty_init=True):
+        model = TinyLM("muon")
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    trainer.fit(model, loader(world, 1))
+    sharded = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = TinyLM("muon")
+    loaded = reference.load_state_dict(probe.values, strict=False)  # named_parameters() lists the tied head once
+    assert loaded.missing_keys == ["head.weight"] and not loaded.unexpected_keys, loaded
+    L.Trainer(accelerator="cpu", devices=world, max_steps=STEPS, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False,
+              strategy="ddp_find_unused_parameters_true").fit(reference, loader(world, 1))
+    return built_on_meta, probe.values, sharded, {n: p.detach().clone() for n, p in reference.named_parameters()}
+
+
+def test_a_model_built_in_init_module_empty_init_trains_as_ddp_from_the_same_start():
+    """``trainer.init_module(empty_init=True)`` with sharded parameters builds the model on the meta device; the
+    strategy materializes it when it wraps it (tied embedding, attention, norms), every rank with rank 0's values,
+    and training from there equals ``ddp`` from the same values."""
+    results = run_distributed(_meta_worker, 2)
+    for rank, (built_on_meta, start, sharded, ddp) in enumerate(results):
+        assert built_on_meta
+        for n in ddp:
+            assert torch.equal(start[n], results[0][1][n]), (rank, n)
+            assert rel_err(sharded[n], ddp[n]) <= 1e-5, (rank, n, rel_err(sharded[n], ddp[n]))
