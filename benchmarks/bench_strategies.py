@@ -44,7 +44,8 @@ torch.optim.Muon always uses bf16), ``adjust_lr`` "original", no weight decay; A
 Sizes (``--sizes``): ``tiny`` is the model and batch of ``examples/configs/cpu.yaml``;
 ``wide`` is a CPU size where Newton-Schulz is about half of the replicated Muon step
 (wide matrices, short sequences, small batch); ``30m`` (31 M parameters) compares sharded
-parameters with their peers at 2 and 4 ranks; ``gpt2-small`` and ``gpt2-medium`` are GPU sizes.
+parameters with their peers at 2 and 4 ranks, and ``120m`` (126 M) is its largest size, for a
+per-rank memory cap; ``gpt2-small`` and ``gpt2-medium`` are GPU sizes.
 
 Each run is a fresh ``python benchmarks/bench_strategies.py --_worker NAME ...`` process;
 Lightning's launcher re-runs that command line for ranks 1..N-1, so every rank enters
@@ -172,6 +173,9 @@ SIZES: dict[str, Size] = {
     # 31 M parameters, batch 2 x 64 per rank: the sharded-parameter comparison (docs/benchmarks/sharded_cpu.md).
     "30m": Size(n_layer=10, n_head=8, n_embd=512, batch_size=2, block_size=64, steps=6, warmup=2,
                 bucket_size=4_000_000),
+    # 126 M parameters: the largest of the sharded comparison, run at 4 ranks under a per-rank memory cap.
+    "120m": Size(n_layer=40, n_head=8, n_embd=512, batch_size=2, block_size=64, steps=3, warmup=1,
+                 bucket_size=4_000_000),
     "gpt2-small": Size(n_layer=12, n_head=12, n_embd=768, batch_size=16, block_size=1024, steps=50, warmup=10,
                        bucket_size=40_000_000),
     "gpt2-medium": Size(n_layer=24, n_head=16, n_embd=1024, batch_size=8, block_size=1024, steps=50, warmup=10,

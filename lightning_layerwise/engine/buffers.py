@@ -354,26 +354,28 @@ def is_allocated(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().size() > 0
 
 
-def shard_buckets(layout: Layout, flat_buffers: list[FlatBuffer], buckets: list[Bucket],
-                  named: dict[str, nn.Parameter], stepped_whole: set[str]) -> list[FlatBuffer]:
-    """Sharded parameters (Note [sharded parameters]): gives every bucket its shards, cut from the full buffers
-    (which every rank holds identically, after the broadcast from rank 0), and full buffers of its own storage,
-    freed; points every parameter at its new place. Returns the buffers that now hold the shards, one pair per
-    layout buffer (what zeroing the gradients and checkpoints of the shards see).
+def meta_buffers(layout: Layout, grad_dtype: torch.dtype | None = None) -> list[FlatBuffer]:
+    """The layout's buffers as shapes on the meta device (no memory): what the buckets of sharded parameters
+    start from, before :func:`allocate_shards` and :func:`cut_shard` give them their tensors."""
+    return [FlatBuffer(torch.empty(plan.numel, dtype=plan.dtype, device="meta"),
+                       torch.empty(plan.numel, dtype=grad_dtype or plan.dtype, device="meta")) for plan in layout.buffers]
 
-    ``stepped_whole``: the names of the parameters this rank steps whole; they view their bucket's shard."""
-    sharded = allocate_shards(layout, buckets, [(f.params.dtype, f.grads.dtype) for f in flat_buffers],
-                              flat_buffers[0].params.device)
-    for bucket, bp in zip(buckets, (bp for plan in layout.buffers for bp in plan.buckets)):
-        cut_shard(bucket, bp, layout, named, stepped_whole, bucket.param_data.clone())
-    return sharded
+
+def single_device(tensors: list[torch.Tensor], what: str) -> torch.device:
+    """The one device ``tensors`` sit on, or a ``ValueError`` naming them all."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{what} sit on several devices {sorted(map(str, devices))}; move the module to one "
+                         "device before wrapping it.")
+    return devices.pop()
 
 
 def allocate_shards(layout: Layout, buckets: list[Bucket], dtypes: list[tuple[torch.dtype, torch.dtype]],
                     device: torch.device) -> list[FlatBuffer]:
-    """Each layout buffer's shards of this rank, one pair of tensors (parameters, gradients) per buffer, and
-    every bucket's slices of them; each bucket's full gradient buffer, freed (the gradient side makes its views of
-    it bucket by bucket). Values are not set."""
+    """Sharded parameters (Note [sharded parameters]): each layout buffer's shards of this rank, one pair of
+    tensors (parameters, gradients) per buffer, and every bucket's slices of them; each bucket's full gradient
+    buffer, freed (the gradient side makes its views of it bucket by bucket). Values are not set: each bucket's
+    parameters come with :func:`cut_shard`."""
     sharded = []
     for b_index, plan in enumerate(layout.buffers):
         mine = [b for b in buckets if b.buffer == b_index]

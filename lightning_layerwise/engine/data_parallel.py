@@ -113,8 +113,8 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives
-from .buffers import (Bucket, FlatBuffer, ParamState, allocate_buffers, allocate_shards, build_buckets, cut_shard,
-                      allocate, free, shard_buckets, view_of)
+from .buffers import (Bucket, FlatBuffer, ParamState, allocate, allocate_buffers, allocate_shards, build_buckets,
+                      cut_shard, free, is_dense_permutation, meta_buffers, single_device, view_of)
 from .materialize import check_materializable, has_meta_tensors, materialize
 from .grad_sync import _LIVE, GradientSync, GradUnit, _forget, wrapper_of
 from .param_sync import ParameterSync
@@ -229,21 +229,26 @@ class LayerwiseDataParallel(nn.Module):
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
         if self.shard_parameters:
             _check_sharding(self.layout, param_read_guard, named, self._param_names)
-        self._flat_buffers = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs}, grad_reduce_dtype)
+        if self.shard_parameters:
+            # Bucket by bucket (Note [sharded parameters] in ``engine/buffers.py``): no full buffer of the whole
+            # model is ever made; the buckets start as shapes on the meta device.
+            self._flat_buffers = meta_buffers(self.layout, grad_reduce_dtype)
+        else:
+            self._flat_buffers = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs},
+                                                  grad_reduce_dtype)
         self._buckets = build_buckets(self.layout, self._flat_buffers, named, [s.name for s in specs],
                                       self.process_groups, self.ranks)
-        if self.shard_parameters and meta:  # bucket by bucket: a rank never holds the whole model
-            self._flat_buffers = self._materialize_sharded(named, self._materialize_device(device))
-            named = dict(module.named_parameters())
-            self._param_names = {named[s.name]: s.name for s in specs}
-            self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
+        if self.shard_parameters:
+            if meta:
+                self._flat_buffers = self._materialize_sharded(named, self._materialize_device(device))
+                named = dict(module.named_parameters())
+                self._param_names = {named[s.name]: s.name for s in specs}
+            else:
+                self._flat_buffers = self._shard_bucket_by_bucket(named)
             self._broadcast_from_rank0(layout_buffers=False)
-        else:
-            self._bucket_of = {p: b for b in self._buckets for p in b.params}
+        self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
+        if not self.shard_parameters:
             self._broadcast_from_rank0()
-            if self.shard_parameters:
-                self._flat_buffers = shard_buckets(self.layout, self._flat_buffers, self._buckets, named,
-                                                   self._stepped_whole_names())
         self._waiter = Waiter(self.dp_rank, self.dp_size, trace)
         self._end_of_backward_queued = False
         self.grad_sync = self._gradient_side(overlap_grad_reduce)
@@ -374,6 +379,32 @@ class LayerwiseDataParallel(nn.Module):
                 views[p] = view_of(bucket.grad_data, slot, like=p, offset=slot.offset - bucket.start)
             free(bucket.grad_data)
         return views
+
+    def _shard_bucket_by_bucket(self, named: dict[str, nn.Parameter]) -> list[FlatBuffer]:
+        """Sharded parameters of a model built on its device: each bucket is filled from its parameters, broadcast
+        from the first rank of its group, cut to this rank's shard and freed in turn, so a rank holds the model as
+        built plus one bucket (Note [sharded parameters] in ``engine/buffers.py``). Returns the shards' buffers."""
+        trainable = [named[n] for n in self._param_names.values()]
+        device = single_device(trainable, "the trainable parameters")
+        relaid = [n for n in self._param_names.values() if not named[n].is_contiguous()
+                  and not is_dense_permutation(named[n])]
+        if relaid:
+            warnings.warn(f"parameters {relaid[:3]} have strides with gaps or overlaps; strategy='layerwise' keeps "
+                          "them contiguous in its buffers (Note [memory format]).", stacklevel=4)
+        plans = [bp for plan in self.layout.buffers for bp in plan.buckets]  # build_buckets' order
+        dtypes = [(flat.params.dtype, flat.grads.dtype) for flat in self._flat_buffers]
+        sharded = allocate_shards(self.layout, self._buckets, dtypes, device)
+        stepped = self._stepped_whole_names()
+        with torch.no_grad():
+            for bucket, bp in zip(self._buckets, plans):
+                full = torch.zeros(bp.numel, dtype=dtypes[bucket.buffer][0], device=device)
+                for name in bp.params:
+                    p, slot = named[name], self.layout.params[name]
+                    view_of(full, slot, like=p, offset=slot.offset - bp.start).copy_(p.detach())
+                group = self.process_groups.expert_dp if bucket.expert else self.process_groups.dp
+                collectives.broadcast_tensors([full], group)
+                cut_shard(bucket, bp, self.layout, named, stepped, full)  # the parameters' own memory goes
+        return sharded
 
     def _stepped_whole_names(self) -> set[str]:
         """The parameters this rank steps whole (with sharded parameters they view their bucket's shard)."""

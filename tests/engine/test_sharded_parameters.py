@@ -1,6 +1,6 @@
 """Sharded parameters (``shard_parameters=True``) against one process on the same global batch.
 
-Each case trains through a :class:`~lightning_layerwise.LayerwiseSession` on 2, 3 or 4 gloo ranks and
+Each case trains 10 steps through a :class:`~lightning_layerwise.LayerwiseSession` on 2, 3 or 4 gloo ranks and
 compares every parameter after the last step with a single-process run (fp32, relative error <= 1e-5),
 every rank's copy bitwise equal to rank 0's:
 
@@ -38,7 +38,7 @@ from lightning_layerwise.engine.buffers import ParamState, is_allocated
 from test_data_parallel import Net
 
 TOL = 1e-5
-STEPS = 4
+STEPS = 10
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4; a rank's rows by its micro-batches (equal micro-batches)
 VOCAB, SEQ = 23, 5
 
