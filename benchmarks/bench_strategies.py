@@ -79,7 +79,9 @@ then the median over steps):
   the buckets into ``.grad``. With 2+ ranks every such wait also absorbs the other
   rank's lateness (skew), which on a shared machine is part of what is measured;
 * memory: optimizer-state bytes per rank (local shards for FSDP2's DTensors, the local
-  optimizer for ZeRO), peak RSS per rank on CPU, ``torch.cuda.max_memory_allocated``
+  optimizer for ZeRO), peak RSS per rank on CPU (glibc keeps freed blocks unless told not
+  to: run with ``MALLOC_MMAP_THRESHOLD_=65536`` to compare what configurations free, as
+  docs/benchmarks/sharded_cpu.md was), ``torch.cuda.max_memory_allocated``
   on GPU;
 * the training loss of every step (mean over ranks = the global batch's loss).
 
