@@ -221,10 +221,15 @@ class LayerwiseDataParallel(nn.Module):
         """A model built on the meta device (Note [meta-device models] in ``engine/materialize.py``): ``id`` of each
         meta parameter -> the parameter that replaced it (optimizers holding the former must take the latter)."""
         meta = has_meta_tensors(module)
-        if meta:
+        if meta and shard_parameters:
             check_materializable(module)  # before any collective, on every rank alike
-            if not self.shard_parameters:
+            if not self.shard_parameters:  # one process: nothing to shard, the whole model is materialized
                 self.replaced_parameters = materialize(module, self._materialize_device(device))
+        elif meta and all(p.is_meta for p in module.parameters() if p.requires_grad):
+            raise ValueError(
+                "the module's parameters are on the meta device; strategy='layerwise' materializes a meta-device "
+                "model only with shard_parameters=True (bucket by bucket, Note [meta-device models] in "
+                "engine/materialize.py). Pass shard_parameters=True, or build the model on its device.")
         named = dict(module.named_parameters())
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
         if self.shard_parameters:
