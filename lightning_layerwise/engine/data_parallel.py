@@ -470,14 +470,6 @@ class LayerwiseDataParallel(nn.Module):
         return not self.shard_parameters or p in self.grad_sync.stepped_whole \
             or self._bucket_of[p].param_state is ParamState.READY
 
-    def holds_full_storage(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lies on a bucket's full parameters, which are freed after use (sharded parameters):
-        a copy of it must be taken inside :meth:`full_parameters`."""
-        if not self.shard_parameters:
-            return False
-        with torch._C.DisableTorchFunctionSubclass():
-            return tensor.untyped_storage()._cdata in self.param_sync._by_storage
-
     def _guard_reads(self, named: dict[str, nn.Parameter]) -> bool:
         """Attaches the read guard to the parameters (Note [stale reads]); whether all-gathers may overlap the
         forward, which needs every parameter guarded."""

@@ -142,8 +142,6 @@ class ShardedParameterSync:
         self._last_unpacked: Bucket | None = None
         self._hooks_made = 0  # forward pre-hooks made so far: the next one's position in registration order
         self._last_holder: dict[int, int] = {}  # id(bucket) -> position of the last module holding its parameters
-        self.peak_full = 0
-        """The most buckets full (ready or gathering) at once since this was last reset to 0."""
         for bucket in gather_order:
             self._guard(bucket)
 
@@ -345,17 +343,11 @@ class ShardedParameterSync:
                 self._dispatch(bucket)
         self.finish()
 
-    @property
-    def full_buckets(self) -> list[Bucket]:
-        """The buckets whose full parameters exist now (ready or being gathered)."""
-        return [b for b in self.gather_order if b.param_state in (ParamState.READY, ParamState.GATHERING)]
-
     # --- moves -------------------------------------------------------------------------------------------------
     def _dispatch(self, bucket: Bucket) -> None:
         bucket.start_unshard()
         self._in_flight.append(bucket)
         self.waiter.trace("ag_dispatch", bucket)
-        self.peak_full = max(self.peak_full, len(self._full) + len(self._in_flight))
 
     def _wait(self, bucket: Bucket) -> None:
         self.waiter.wait(bucket.gather, "all_gather")

@@ -25,6 +25,7 @@ from torch import nn
 
 import lightning_layerwise as llw
 from _dist import run_distributed
+from benchmarks.bench_backward_memory import _peak_during  # the CPU allocator's record, as measured there
 from lightning_layerwise.engine import sharded
 
 WORLD = 4
@@ -121,29 +122,15 @@ def test_each_rank_holds_its_shard_and_a_bounded_working_set(mutation):
 
 # --- a model built on the meta device (Note [meta-device models] in engine/materialize.py) -------------------------
 
-def _peak_during(fn):
-    """``fn()``, the peak bytes the CPU allocator held above its level at the start while it ran, and the bytes
-    still held at its end (every allocation and free recorded by the profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        out = fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return out, peak
-
-
 def _setup_worker(rank, world, meta, shard=True):
     torch.manual_seed(rank)  # each rank's own random state: the values must still be rank 0's
     with torch.device("meta" if meta else "cpu"):
         model = Stack(width=96, layers=12)
     session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=shard, bucket_size=12000))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    wrapped, peak = _peak_during(lambda: session.wrap(model, optimizer))
+    box = []
+    peak, _ = _peak_during(lambda: box.append(session.wrap(model, optimizer)))
+    wrapped = box[0]
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     in_optimizer = all(id(p) in stepped or id(wrapped.shard_of(p)) in stepped for p in model.parameters())
     with llw.full_parameters(model):
