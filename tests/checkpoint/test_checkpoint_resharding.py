@@ -85,7 +85,8 @@ def make_trainer(world: int, strategy="layerwise", fmt: str = "sharded", bucket_
         strategy = llw.LayerwiseStrategy(checkpoint_format=fmt, bucket_size=bucket_size,
                                          owner_group_size=owner_group_size, elementwise_fill=fill)
     return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps, logger=False,
-                     enable_checkpointing=bool(callbacks), callbacks=list(callbacks), enable_progress_bar=False,
+                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                     callbacks=list(callbacks), enable_progress_bar=False,
                      enable_model_summary=False, use_distributed_sampler=False)
 
 
