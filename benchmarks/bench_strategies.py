@@ -131,12 +131,13 @@ import functools
 import inspect
 import json
 import os
+import re
 import resource
 import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,17 @@ SIZES: dict[str, Size] = {
     "gpt2-medium": Size(n_layer=24, n_head=16, n_embd=1024, batch_size=8, block_size=1024, steps=50, warmup=10,
                         bucket_size=40_000_000),
 }
+
+
+def size_of(name: str) -> Size:
+    """A size of :data:`SIZES`, or ``120m-L<N>``: the 120m row with ``N`` layers (3.15 M parameters each), the
+    ladder ``benchmarks/largest_under_cap.py`` searches."""
+    match = re.fullmatch(r"120m-L(\d+)", name)
+    if match and int(match.group(1)) >= 1:
+        return replace(SIZES["120m"], n_layer=int(match.group(1)))
+    if name not in SIZES:
+        raise ValueError(f"size {name!r}: unknown; choose from {list(SIZES)} or 120m-L<layers>.")
+    return SIZES[name]
 
 
 @dataclass(frozen=True)
@@ -236,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu", "cuda"])
     parser.add_argument("--sizes", default=None,
-                        help=f"comma-separated of {','.join(SIZES)} (default: tiny,wide on CPU, gpt2-small on GPU)")
+                        help=f"comma-separated of {','.join(SIZES)} or 120m-L<layers> (default: tiny,wide on CPU, "
+                             "gpt2-small on GPU)")
     parser.add_argument("--devices", default="1,2", help="comma-separated rank counts, e.g. 1,2 or 1,8")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     parser.add_argument("--repeats", type=int, default=3, help="runs per configuration, interleaved")
@@ -393,7 +406,7 @@ class Worker:
 
     def __post_init__(self) -> None:
         self.config = CONFIGS[self.args._worker]
-        self.size = SIZES[self.args._size]
+        self.size = size_of(self.args._size)
         self.cuda = self.args.accelerator == "gpu"
 
     @property
@@ -463,6 +476,7 @@ class ProbeHooks:
         self.ddp_bucket_bytes = 0
         self.state_bytes_peak = 0
         self.param_bytes = 0
+        self.train_peak_rss_bytes = 0
         self.wrapper = None
 
     def mark(self, event: str) -> None:
@@ -487,6 +501,8 @@ class ProbeHooks:
         self.mark("start")
 
     def on_train_end(self, trainer, pl_module) -> None:
+        # Before the strategy's teardown: the run without its end (a sharded module is gathered whole then).
+        self.train_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if self.worker.config.strategy == "ddp":  # buckets are rebuilt after the first step; read them at the end
             self.ddp_bucket_bytes = _ddp_bucket_bytes(trainer.strategy.model) or 0
 
@@ -602,6 +618,7 @@ def rank_result(worker: Worker, probe: ProbeHooks, rank: int, warmup: int, steps
         optimizer_state_bytes_peak=probe.state_bytes_peak,
         param_bytes=probe.param_bytes,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        train_peak_rss_bytes=probe.train_peak_rss_bytes,
         cuda_max_allocated_bytes=torch.cuda.max_memory_allocated() if worker.cuda else None,
     )
     return local
@@ -770,6 +787,7 @@ def summarize_run(run: dict) -> dict:
         state_bytes_per_rank=[r["optimizer_state_bytes_peak"] for r in ranks],
         param_bytes_per_rank=max(r["param_bytes"] for r in ranks),
         peak_rss_bytes_per_rank=max(r["peak_rss_bytes"] for r in ranks),
+        train_peak_rss_bytes_per_rank=max(r.get("train_peak_rss_bytes", 0) for r in ranks),
         cuda_max_allocated_bytes_per_rank=max(cuda_bytes) if None not in cuda_bytes else None,
         losses=losses,
         final_loss=losses[-1],
@@ -815,6 +833,7 @@ def aggregate(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
             state_bytes_sum=sum(state),
             param_bytes_per_rank=first["param_bytes_per_rank"],
             peak_rss_bytes_per_rank_median=harness.median_of(r["peak_rss_bytes_per_rank"] for r in rs),
+            train_peak_rss_bytes_per_rank_median=harness.median_of(r["train_peak_rss_bytes_per_rank"] for r in rs),
             cuda_max_allocated_bytes_per_rank=first["cuda_max_allocated_bytes_per_rank"],
             final_loss_median=harness.median_of(r["final_loss"] for r in rs),
             final_loss_runs=[r["final_loss"] for r in rs],
@@ -907,7 +926,8 @@ def _time_cells(name: str, r: dict) -> list[str]:
 
 def _memory_header(accelerator: str) -> list[str]:
     return ["configuration", "optimizer state KiB/rank (per rank)", "×replicated", "params KiB/rank",
-            f"peak {'CUDA' if accelerator == 'gpu' else 'RSS'} MiB/rank", "communicated KiB/step", "ring KiB/step",
+            "peak CUDA MiB/rank" if accelerator == "gpu" else "peak RSS MiB/rank (before the run's end)",
+            "communicated KiB/step", "ring KiB/step",
             "final loss", "mean of last 10", "max \\|Δloss\\| vs replicated"]
 
 
@@ -915,9 +935,10 @@ def _memory_cells(name: str, r: dict) -> list[str]:
     per_rank = " / ".join(f"{b / 1024:.0f}" for b in r["state_bytes_per_rank"])
     kinds = ", ".join(f"{k} {v / 1024:.0f}" for k, v in sorted(r["comm_bytes_by_kind"].items()) if v)
     mem = r["cuda_max_allocated_bytes_per_rank"] or r["peak_rss_bytes_per_rank_median"]
+    before_end = r.get("train_peak_rss_bytes_per_rank_median") if not r["cuda_max_allocated_bytes_per_rank"] else None
     return [f"`{name}`", f"{r['state_bytes_max_per_rank'] / 1024:.0f} ({per_rank})",
             _fmt(r.get("state_ratio_replicated"), ".3f"), f"{r['param_bytes_per_rank'] / 1024:.0f}",
-            f"{mem / 2**20:.0f}", f"{r['comm_bytes_median'] / 1024:.0f}{f' ({kinds})' if kinds else ''}",
+            f"{mem / 2**20:.0f}" + (f" ({before_end / 2**20:.0f})" if before_end else ""), f"{r['comm_bytes_median'] / 1024:.0f}{f' ({kinds})' if kinds else ''}",
             f"{r['ring_bytes_median'] / 1024:.0f}", f"{r['final_loss_median']:.4f}", f"{r['late_loss_median']:.4f}",
             _fmt(r.get("max_abs_loss_diff_replicated"), ".1e")]
 
@@ -1191,7 +1212,7 @@ def profile_hooks(size_name: str, steps: int = 15) -> None:
     import lightning_layerwise as llw
     from examples.gpt import GPT, GPTConfig
 
-    size = SIZES[size_name]
+    size = size_of(size_name)
     x = torch.randint(0, 96, (size.batch_size, size.block_size))
 
     def build(wrap: bool):
@@ -1233,7 +1254,10 @@ def profile_hooks(size_name: str, steps: int = 15) -> None:
 
 def plan_cells(args: argparse.Namespace) -> list[dict]:
     """The (size, rank count) cells of the matrix, each with the configurations that run in it."""
-    sizes = parse_list(args.sizes or ("tiny,wide" if args.accelerator == "cpu" else "gpt2-small"), SIZES, "sizes")
+    sizes = [x.strip() for x in (args.sizes or ("tiny,wide" if args.accelerator == "cpu" else "gpt2-small")).split(",")
+             if x.strip()]
+    for name in sizes:
+        size_of(name)
     names = parse_list(args.configs, CONFIGS, "configs")
     try:
         device_counts = [int(d) for d in args.devices.split(",") if d.strip()]
@@ -1277,7 +1301,7 @@ def result_cells(args: argparse.Namespace, cells: list[dict], runs: dict) -> lis
     vocab = CharDataModule(max_chars=args.max_chars).vocab_size
     out_cells = []
     for cell in cells:
-        size = SIZES[cell["size"]]
+        size = size_of(cell["size"])
         model = dict(asdict(size), n_params=count_params(size, vocab), vocab_size=vocab)
         model["steps"] = args.steps or size.steps
         model["warmup"] = args.warmup or size.warmup

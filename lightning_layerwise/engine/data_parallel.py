@@ -348,27 +348,31 @@ class LayerwiseDataParallel(nn.Module):
         final: dict[str, nn.Parameter] = {}
         stepped = self._stepped_whole_names()
 
-        def on_final(old: nn.Parameter, new: nn.Parameter) -> None:
+        def memory_for(old: nn.Parameter) -> torch.Tensor:
             name = name_of.get(id(old))
             bucket = bucket_of.get(name)
             if bucket is None:  # frozen: outside the layout, broadcast with the module's buffers
-                return
+                return torch.empty_like(old, device=device)
             bp = plan_of[id(bucket)]
             full = fulls.get(id(bucket))
             if full is None:
                 full = fulls[id(bucket)] = torch.zeros(bp.numel, dtype=dtypes[bucket.buffer][0], device=device)
             slot = self.layout.params[name]
-            view = view_of(full, slot, like=new, offset=slot.offset - bp.start)
-            view.copy_(new.detach())
-            new.data = view  # the parameter's own memory goes
-            final[name] = new
+            return view_of(full, slot, like=old, offset=slot.offset - bp.start)
+
+        def on_final(old: nn.Parameter, new: nn.Parameter) -> None:
+            bucket = bucket_of.get(name_of.get(id(old)))
+            if bucket is None:
+                return
+            final[name_of[id(old)]] = new
             left[id(bucket)] -= 1
             if left[id(bucket)] == 0:
+                full = fulls.pop(id(bucket))
                 group = self.process_groups.expert_dp if bucket.expert else self.process_groups.dp
                 collectives.broadcast_tensors([full], group)
-                cut_shard(bucket, bp, self.layout, final, stepped, fulls.pop(id(bucket)))
+                cut_shard(bucket, plan_of[id(bucket)], self.layout, final, stepped, full)
 
-        self.replaced_parameters = materialize(self.module, device, on_final)
+        self.replaced_parameters = materialize(self.module, device, on_final, memory_for)
         for bucket in self._buckets:
             bucket.params = [self.replaced_parameters.get(id(p), p) for p in bucket.params]
         return sharded
@@ -464,6 +468,24 @@ class LayerwiseDataParallel(nn.Module):
         """The buckets holding a split parameter, in all-gather order (the same on every rank)."""
         split = {id(self._bucket_of[p]) for p, n in self._param_names.items() if self.layout.params[n].split}
         return [b for b in self.param_sync.gather_order if id(b) in split]
+
+    def _unshard_for_release(self) -> set[nn.Parameter]:
+        """``release()`` with sharded parameters (Note [sharded release] in ``engine/sharded.py``): every trainable
+        parameter gets its own storage holding its full value, bucket by bucket (collective). Returns them."""
+        params = list(self._param_names)
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        target = _release_device(params[0].device, nbytes) if params else torch.device("cpu")
+        own: set[nn.Parameter] = set()
+
+        def into_own_storage(bucket: Bucket) -> None:
+            with torch.no_grad():
+                for p in bucket.params:
+                    read_guard.detach(p)
+                    p.data = p.data.to(target, copy=True)
+                    own.add(p)
+
+        self.param_sync.gather_each(into_own_storage)
+        return own
 
     def _readable(self, p: nn.Parameter) -> bool:
         """Whether ``p``'s values are held on this rank now (always, unless sharded and its bucket is freed)."""
@@ -969,8 +991,9 @@ class LayerwiseDataParallel(nn.Module):
         abandons pending collectives instead of waiting for them: only after a
         collective failed (a dead rank), when waiting would raise the same error again.
         """
+        own: set[nn.Parameter] = set()
         if self.shard_parameters and wait:
-            self.param_sync.gather_all()  # every rank gets the whole module back
+            own = self._unshard_for_release()
         self.param_sync.release(wait)
         for h in self._hook_handles:
             h.remove()
@@ -980,6 +1003,8 @@ class LayerwiseDataParallel(nn.Module):
         finally:
             with torch.no_grad():
                 for p in self._param_names:
+                    if p in own:
+                        continue
                     read_guard.detach(p)
                     # after a failed collective a freed parameter has nothing to keep: NaN, never freed memory
                     p.data = p.data.clone() if self._readable(p) else torch.full(p.shape, math.nan, dtype=p.dtype,
@@ -990,6 +1015,24 @@ class LayerwiseDataParallel(nn.Module):
                     del _LIVE[id(t)]
             self._registered = []
         return self.module
+
+
+def _release_device(device: torch.device, nbytes: int) -> torch.device:
+    """Where a sharded module's parameters go when its wrapper is released (Note [sharded release] in
+    ``engine/sharded.py``)."""
+    if device.type != "cuda":
+        return device
+    free, _ = torch.cuda.mem_get_info(device)
+    if nbytes <= free:
+        return device
+    warnings.warn(
+        f"shard_parameters=True: the whole model ({nbytes / 2**30:.2f} GiB of parameters) does not fit in the "
+        f"{free / 2**30:.2f} GiB free on {device} now that the run is over, so the module's parameters are "
+        "gathered into CPU memory instead (Note [sharded release] in lightning_layerwise/engine/sharded.py). "
+        "Call module.to(device) to move them back where they fit; a sharded checkpoint "
+        "(checkpoint_format='sharded') saves without gathering.",
+        stacklevel=3)
+    return torch.device("cpu")
 
 
 def _check_sharding(layout: Layout, param_read_guard: str, named: dict[str, nn.Parameter],

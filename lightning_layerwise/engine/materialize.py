@@ -7,13 +7,16 @@ Note [meta-device models]
     model, then materializes module by module, in ``module.modules()`` order: each meta
     parameter and buffer a module holds directly gets memory on the device and the module's
     ``reset_parameters()`` (``nn.MultiheadAttention``: ``_reset_parameters()``) fills it.
-    A parameter several modules hold (a tied embedding) is made once and is final after the
-    last of its modules ran its initializer; its value then goes into its bucket's full
-    buffer, and a bucket whose parameters are all final is broadcast from the first rank of
-    its group (so every replica holds the same values, whatever each rank's random state),
-    cut to this rank's shard and freed. A rank therefore holds at most the shards made so
-    far, the buckets still open and the parameters of the module being initialized: for a
-    model whose buckets follow its modules, the shard plus about one bucket.
+    A parameter in the layout gets its memory in its bucket's full buffer, allocated when
+    the bucket's first parameter is made, so the initializer writes where the value is kept
+    and nothing is copied. A parameter several modules hold (a tied embedding) is made once
+    and is final after the last of its modules ran its initializer; a bucket whose
+    parameters are all final is broadcast from the first rank of its group (so every
+    replica holds the same values, whatever each rank's random state), cut to this rank's
+    shard and freed. A rank therefore holds at most the shards and the buckets still open:
+    for a model whose buckets follow its modules, the shard plus one bucket (measured in
+    ``tests/engine/test_sharded_memory.py``). A bucket holding a tied parameter stays open
+    until the last module holding it is initialized.
 
     How the values relate to a plain init: the same as building the model on the device,
     with the same seed, when every module's initializer fills exactly its own parameters and
@@ -57,10 +60,16 @@ def check_materializable(module: nn.Module) -> None:
 
 def materialize(module: nn.Module, device: torch.device,
                 on_final: Callable[[nn.Parameter, nn.Parameter], None] = lambda old, new: None,
+                memory_for: Callable[[nn.Parameter], torch.Tensor] | None = None,
                 ) -> dict[int, nn.Parameter]:
     """Gives every meta tensor of ``module`` memory on ``device`` and its initial value, module by module (Note
-    [meta-device models]); tensors that are not meta move to ``device``. ``on_final(old, new)`` is called with each
-    meta parameter and the one replacing it once its value is final. Returns ``id`` of each meta parameter -> the parameter replacing it."""
+    [meta-device models]); tensors that are not meta move to ``device``. ``memory_for(meta)`` gives a meta
+    parameter its memory (its slot of a bucket, so that the initializer writes there; default: a tensor of its
+    own); ``on_final(old, new)`` is called with each meta parameter and the one replacing it once its value is
+    final. Returns ``id`` of each meta parameter -> the parameter replacing it."""
+    if memory_for is None:
+        def memory_for(p: nn.Parameter) -> torch.Tensor:
+            return torch.empty_like(p, device=device)
     check_materializable(module)
     holders: dict[int, int] = {}  # id(meta parameter) -> how many modules still hold it directly
     for m in module.modules():
@@ -74,7 +83,7 @@ def materialize(module: nn.Module, device: torch.device,
             fresh = False
             for k, p in metas:
                 if id(p) not in replaced:
-                    replaced[id(p)] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                    replaced[id(p)] = nn.Parameter(memory_for(p), requires_grad=p.requires_grad)
                     fresh = True
                 m._parameters[k] = replaced[id(p)]
             for k, b in list(m._buffers.items()):

@@ -59,6 +59,18 @@ Note [sharded reads]
     :class:`ShardedParameterReadError`, naming ``full_parameters``, instead of waiting for a
     collective that may never come. Metadata (shape, dtype, ``requires_grad``) is always
     readable.
+
+Note [sharded release]
+    When the wrapper is released (the end of ``trainer.fit``, ``session.release()``) the
+    module gets every parameter back whole, in its own storage, as after ``ddp``. The
+    buckets are gathered in forward order, one at a time with the next one's all-gather in
+    flight, and each is copied out and freed before the next: the release holds the
+    model's parameters plus two buckets above what the run held, where gathering every
+    bucket first and copying afterwards would hold the model twice. A model trained sharded
+    because it does not fit whole on a GPU would still not fit there at the end, with the
+    optimizer state beside it: when the device's free memory is less than the parameters'
+    bytes the copies go to CPU memory instead, with a warning, so the run ends and the
+    module can still be saved, inspected or moved.
 """
 
 from __future__ import annotations
@@ -336,12 +348,17 @@ class ShardedParameterSync:
                 for bucket in list(self._full.values()):
                     self._free(bucket)
 
-    def gather_all(self) -> None:
-        """Makes every bucket full (collective), for good: the wrapper is being released."""
-        for bucket in self.gather_order:
-            if bucket.param_state is ParamState.FREED:
-                self._dispatch(bucket)
-        self.finish()
+    def gather_each(self, use: Callable[[Bucket], None]) -> None:
+        """Makes each bucket full in forward order, hands it to ``use`` and frees it (collective; the wrapper is
+        being released): at most two buckets are full at once, the one in use and the next one's all-gather."""
+        order = self.gather_order
+        for i, bucket in enumerate(order):
+            self.ensure_gathered(bucket)
+            if i + 1 < len(order) and order[i + 1].param_state is ParamState.FREED:
+                self._dispatch(order[i + 1])
+            use(bucket)
+            bucket.reshard()
+            self._full.pop(id(bucket), None)
 
     # --- moves -------------------------------------------------------------------------------------------------
     def _dispatch(self, bucket: Bucket) -> None:

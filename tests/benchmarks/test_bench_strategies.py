@@ -123,3 +123,33 @@ def test_tiny_end_to_end_one_rank(tmp_path):
     # The wrapper's own wait timers (LayerwiseDataParallel.comm_wait_seconds) were switched on.
     assert {"reduce_scatter", "norm_all_reduce"} <= set(layerwise["wrapper_wait_ms_by_kind"])
     assert (tmp_path / "strategies.md").exists()  # named after the JSON
+
+
+def test_a_size_by_depth_is_the_120m_row_with_that_many_layers(bench):
+    seven = bench.size_of("120m-L7")
+    assert seven.n_layer == 7 and seven == bench.replace(bench.SIZES["120m"], n_layer=7)
+    assert bench.size_of("tiny") is bench.SIZES["tiny"]
+    for name in ("120m-L0", "huge"):
+        with pytest.raises(ValueError, match="120m-L<layers>"):
+            bench.size_of(name)
+
+
+def test_the_cap_search_measures_both_sides_of_the_cap(monkeypatch):
+    """``benchmarks/largest_under_cap.py`` with runs faked as a line of peak memory against depth: it ends with a
+    measured depth that fits and the next rung up measured over the cap, starting from a wrong guess."""
+    spec = importlib.util.spec_from_file_location("largest_under_cap", ROOT / "benchmarks" / "largest_under_cap.py")
+    search = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(search)
+    for intercept, slope in ((700.0, 16.0), (700.0, 40.0)):
+        def fake(config, layers, args, scratch, intercept=intercept, slope=slope):
+            peak = intercept + slope * layers + (50.0 if layers > 30 else 0.0)  # not a line: the guess misses
+            return {"config": config, "layers": layers, "params": layers, "peak_rss_mib": peak + 100,
+                    "train_peak_rss_mib": peak, "fits": peak <= args.cap_mib, "wall_s": 0.0}
+
+        monkeypatch.setattr(search, "run_once", fake)
+        args = search.parse_args(["--cap-mib", "2048", "--training-only", "--step", "4"])
+        runs = search.search("c", args, None)
+        best = search.summary("c", runs)
+        fits, over = best["largest_fitting"], best["smallest_over"]
+        assert fits["train_peak_rss_mib"] <= 2048 < over["train_peak_rss_mib"]
+        assert over["layers"] == fits["layers"] + 4

@@ -13,7 +13,7 @@ gradients during the backward, and nothing after the step. The optimizer state i
 (each rank's AdamW state of what it steps: the layout balances it within a few percent of ``1/g``,
 which is checked too). A mutation that never frees a bucket after its use fails the bound.
 
-A model built on the meta device is materialized at set-up with a peak of its shards and about two buckets
+A model built on the meta device is materialized at set-up with a peak of its shards and one bucket
 (measured by the profiler's record of every allocation), its values rank 0's and equal to a plain build.
 """
 
@@ -27,6 +27,7 @@ import lightning_layerwise as llw
 from _dist import run_distributed
 from benchmarks.bench_backward_memory import _peak_during  # the CPU allocator's record, as measured there
 from lightning_layerwise.engine import sharded
+from lightning_layerwise.engine.buffers import is_allocated
 
 WORLD = 4
 DEPTH = 2
@@ -137,29 +138,139 @@ def _setup_worker(rank, world, meta, shard=True):
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
     numel = sum(p.numel() for p in model.parameters())
     bucket, n_buckets = max(b.param_data.numel() for b in wrapped.buckets), len(wrapped.buckets)
+    shard = sum(b.param_shard.numel() + b.grad_shard.numel() for b in wrapped.buckets if b.param_shard is not None)
     session.release()
-    return peak, numel * 4, bucket * 4, n_buckets, values, in_optimizer
+    return peak, numel * 4, shard * 4, bucket * 4, n_buckets, values, in_optimizer
 
 
 def test_a_meta_device_model_is_materialized_bucket_by_bucket():
     """Built under ``torch.device("meta")`` (what ``init_module(empty_init=True)`` does with sharded parameters),
     a 12-layer stack is materialized at 4 ranks with a set-up peak (every allocation recorded by the profiler) of
-    at most its shards and two buckets: one bucket being filled and the parameters of the module being
-    initialized. Built on the CPU, it is sharded within the same bound beyond the model as built (buckets filled,
-    broadcast and cut one at a time); without sharding the wrapper's full buffers take several times that.
-    Values: rank 0's, equal to building the model on the CPU with rank 0's seed; the optimizer holds the
-    parameters that replaced the meta ones."""
+    at most the rank's shards (parameters and gradients) and one bucket: each parameter is initialized in its
+    slot of the bucket being filled. Built on the CPU, it is sharded within the same bound beyond the model as
+    built (buckets filled, broadcast and cut one at a time); without sharding the wrapper's full buffers take
+    several times that. Values: rank 0's, equal to building the model on the CPU with rank 0's seed; the
+    optimizer holds the parameters that replaced the meta ones."""
     meta = run_distributed(_setup_worker, WORLD, True)
     device = run_distributed(_setup_worker, WORLD, False)
     unsharded = run_distributed(_setup_worker, WORLD, False, False)
     torch.manual_seed(0)
     plain = {n: p.detach() for n, p in Stack(width=96, layers=12).named_parameters()}
-    for rank, (peak, P, bucket, n_buckets, values, in_optimizer) in enumerate(meta):
-        assert n_buckets >= 6
-        bound = 1.05 * 2 * P / WORLD + 2 * bucket
-        assert peak <= bound, f"rank {rank}: set-up peak {peak} B above {bound:.0f} B"
+    for rank, (peak, P, shard, bucket, n_buckets, values, in_optimizer) in enumerate(meta):
+        assert n_buckets >= 6 and shard <= 1.05 * 2 * P / WORLD
+        bound = shard + bucket + 1024  # + the allocator's rounding and a few small tensors of the set-up
+        assert peak <= bound, f"rank {rank}: set-up peak {peak} B above the shard {shard} B + one bucket {bucket} B"
         assert device[rank][0] <= bound, f"rank {rank}: built on the CPU, set-up peak {device[rank][0]} B"
         assert unsharded[rank][0] > 2 * bound, "the unsharded wrapper's full buffers peak far higher: it can fail"
         assert in_optimizer
         for name, value in values.items():
             assert torch.equal(value, plain[name]), (rank, name)
+
+
+# --- which buckets are full during a forward (Note [when a bucket is full] in engine/sharded.py) -------------------
+
+def _window_worker(rank, world, model_name, depth, mutation):
+    if mutation == "never-free":
+        sharded.ShardedParameterSync._free_outside = lambda self, keep, first, last: None
+    if model_name == "gpt":
+        from gpt import GPT, GPTConfig  # examples/gpt.py: output layer tied to the embedding, nn.MultiheadAttention
+
+        model = GPT(GPTConfig(vocab_size=40, block_size=8, n_layer=4, n_head=2, n_embd=32))
+    else:
+        model = Stack()
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=3000, prefetch_depth=depth))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = session.wrap(model, optimizer)
+    order = wrapped.param_sync.gather_order
+    index = {id(b): i for i, b in enumerate(order)}
+    bucket_of = {id(p): b for b in order for p in b.params}
+    # The modules holding parameters directly, in registration order (what the wrapper hooks), and their buckets.
+    holders = [(m, sorted({index[id(bucket_of[id(p)])] for p in m.parameters(recurse=False)}))
+               for m in model.modules() if any(id(p) in bucket_of for p in m.parameters(recurse=False))]
+    first = {i: min(k for k, (_, own) in enumerate(holders) if i in own) for i in range(len(order))}
+    last = {i: max(k for k, (_, own) in enumerate(holders) if i in own) for i in range(len(order))}
+    seen = []
+    for position, (module, own) in enumerate(holders):
+        # What may be full while this module runs: its own buckets, the next `depth` in forward order, and those
+        # an earlier module used that a later one holds too (an embedding paired with, or tied to, the output).
+        window = set(own) | set(range(own[-1] + 1, own[-1] + 1 + depth))
+        spanning = {i for i in range(len(order)) if first[i] < position < last[i]}
+
+        def check(_module, _args, position=position, allowed=window | spanning, spanning=spanning):
+            full = {i for i, b in enumerate(order) if is_allocated(b.param_data)}
+            seen.append((position, sorted(full), sorted(allowed), len(spanning)))
+        module.register_forward_pre_hook(check)  # after the wrapper's own pre-hook
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        seen.clear()
+        idx = torch.randint(0, 40, (4, 8), generator=g)
+        logits = wrapped(idx)
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        session.backward(nn.functional.cross_entropy(logits.reshape(-1, 40), idx.reshape(-1)))
+        session.step(optimizer)
+        optimizer.zero_grad()
+    return seen, len(order)
+
+
+@pytest.mark.parametrize("model_name, depth, mutation", [
+    ("stack", 1, None), ("stack", 2, None), ("gpt", 1, None), ("gpt", 2, None), ("gpt", 1, "never-free")])
+def test_a_forward_holds_its_window_and_the_buckets_a_later_module_holds(model_name, depth, mutation):
+    """At every module's forward pre-hook the full buckets are the module's own, the next ``prefetch_depth`` in
+    forward order, and those a module already run shares with one still to run: with one bucket per module and no
+    such sharing (the stack) at most ``prefetch_depth + 1``; the example GPT's tied output layer keeps the
+    embedding's bucket full through the forward. A wrapper that never frees fails."""
+    over = []
+    for rank, (seen, n_buckets) in enumerate(run_distributed(_window_worker, WORLD, model_name, depth, mutation)):
+        assert n_buckets >= 6 and len(seen) >= 10
+        for position, full, allowed, n_spanning in seen:
+            if not set(full) <= set(allowed):
+                over.append((rank, position, full, allowed))
+            if model_name == "stack":
+                assert n_spanning == 0
+                if len(full) > depth + 1:
+                    over.append((rank, position, full, f"more than prefetch_depth + 1 = {depth + 1}"))
+        if model_name == "gpt":
+            assert any(n for *_, n in seen), "the tied embedding's bucket is shared with the last module"
+    if mutation is None:
+        assert not over, over[:4]
+    else:
+        assert over, "a wrapper that never frees kept within the window: the test cannot fail"
+
+
+# --- the end of a run (Note [sharded release] in engine/sharded.py) ------------------------------------------------
+
+def _release_worker(rank, world, mutation):
+    if mutation == "free-at-the-end":
+        def gather_each(self, use):
+            for bucket in self.gather_order:
+                self.ensure_gathered(bucket)
+            for bucket in self.gather_order:
+                use(bucket)
+            for bucket in self.gather_order:
+                bucket.reshard()
+        sharded.ShardedParameterSync.gather_each = gather_each
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=3000))
+    model = Stack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = session.wrap(model, optimizer)
+    idx = torch.randint(0, 40, (8, 4), generator=torch.Generator().manual_seed(rank))
+    session.backward(nn.functional.cross_entropy(wrapped(idx).reshape(-1, 40), idx.reshape(-1)))
+    session.step(optimizer)
+    with llw.full_parameters(model):
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bucket = max(b.param_data.numel() for b in wrapped.buckets) * 4
+    peak, _ = _peak_during(session.release)
+    got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    P = sum(p.numel() for p in model.parameters()) * 4
+    return peak, P, bucket, all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("mutation", [None, "free-at-the-end"])
+def test_a_released_module_is_gathered_one_bucket_at_a_time(mutation):
+    """After a run the module holds every parameter in its own storage; getting there takes at most the model's
+    parameters plus two buckets (the one being copied out and the next one's all-gather) above what the rank
+    held, not the model twice (every bucket gathered and copied, then the buckets freed)."""
+    for rank, (peak, P, bucket, equal) in enumerate(run_distributed(_release_worker, WORLD, mutation)):
+        assert equal, f"rank {rank}: the released parameters are not the trained ones"
+        within = peak <= P + 2 * bucket + 1024
+        assert within if mutation is None else not within, (rank, peak, P, bucket)

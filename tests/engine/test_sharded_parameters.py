@@ -7,7 +7,7 @@ every rank's copy bitwise equal to rank 0's:
 * ``Net`` (tests/engine/test_data_parallel.py): a tied embedding and output layer, a layer used twice, a
   frozen and an unused layer, odd shapes;
 * ``AttentionNet``: ``nn.MultiheadAttention`` (reads ``out_proj.weight`` without calling ``out_proj``), an
-  ``nn.TransformerEncoderLayer`` under non-reentrant activation checkpointing, and a parent that reads
+  ``nn.TransformerEncoderLayer`` under activation checkpointing (reentrant and not), and a parent that reads
   ``head.weight`` for a penalty before any module runs;
 * AdamW (element-wise fill: parameters split across shards, stepped in pieces) and Muon (whole matrices);
 * micro-batches accumulated inside ``no_sync`` and without it (each backward reduces and adds into the
@@ -46,8 +46,9 @@ VOCAB, SEQ = 23, 5
 class AttentionNet(nn.Module):
     """Reads parameters outside their modules' forward on purpose; its encoder layer is checkpointed."""
 
-    def __init__(self, d: int = 16):
+    def __init__(self, d: int = 16, reentrant: bool = False):
         super().__init__()
+        self.reentrant = reentrant
         self.emb = nn.Embedding(VOCAB, d)
         # No attention biases: the key bias's gradient is zero up to rounding, and AdamW scales that rounding up to
         # full-size steps, so it would differ from one process by far more than 1e-5 with or without sharding.
@@ -60,13 +61,13 @@ class AttentionNet(nn.Module):
         penalty = 1e-3 * self.head.weight.square().sum()  # read before any module runs
         h = self.emb(idx)
         h = h + self.attn(h, h, h, need_weights=False)[0]
-        h = checkpoint(self.block, h, use_reentrant=False)
+        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
         return self.head(self.norm(h)), penalty
 
 
 def make_model(name: str):
     torch.manual_seed(0)
-    return Net() if name == "net" else AttentionNet()
+    return Net() if name == "net" else AttentionNet(reentrant=name == "attention-reentrant")
 
 
 def batches(name: str):
@@ -157,6 +158,8 @@ CASES = {
     "attention-muon-4-two-groups": ("attention", "muon", 4, 1, False, None,
                                     {"bucket_size": 1000, "owner_group_size": 2}),
     "attention-muon-3": ("attention", "muon", 3, 1, False, None, {"bucket_size": 1000}),
+    # the checkpointed block's forward runs without autograd and again inside the backward (reentrant)
+    "attention-reentrant-adamw-3-clip": ("attention-reentrant", "adamw", 3, 2, False, 0.5, {"bucket_size": 1000}),
     "attention-muon-2-keep-for-backward": ("attention", "muon", 2, 1, False, None,
                                            {"bucket_size": 1000, "reshard_after_forward": False}),
 }
@@ -295,3 +298,16 @@ def test_experts_sharded_in_their_expert_data_parallel_group_equal_one_process(o
         for name, value in params.items():
             assert rel_err(value, expected[name]) <= TOL, (opt_name, rank, name, rel_err(value, expected[name]))
             assert torch.equal(value, results[rank % 2][0][name]), (rank, name)
+
+
+def test_a_model_that_does_not_fit_on_its_gpu_at_the_end_is_released_to_cpu_memory(monkeypatch):
+    """Note [sharded release]: the module's parameters go back to a CUDA device only when its free memory holds
+    them all; otherwise to CPU memory, with a warning naming the bytes. (The decision only: no GPU here.)"""
+    from lightning_layerwise.engine.data_parallel import _release_device
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 2**30, 80 * 2**30))
+    assert _release_device(cuda, 2 * 2**30) == cuda
+    with pytest.warns(UserWarning, match=r"4\.00 GiB of parameters\) does not fit in the 3\.00 GiB free"):
+        assert _release_device(cuda, 4 * 2**30) == torch.device("cpu")
+    assert _release_device(torch.device("cpu"), 4 * 2**30) == torch.device("cpu")
