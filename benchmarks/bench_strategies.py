@@ -293,6 +293,7 @@ _COLLECTIVES = (
     ("all_reduce", "tensor", lambda n: 2 * (n - 1) / n),
     ("all_reduce_coalesced", "tensors", lambda n: 2 * (n - 1) / n),
     ("broadcast", "tensor", lambda n: (n - 1) / n),
+    ("reduce", "tensor", lambda n: (n - 1) / n),  # across owner groups (Note [uneven chunks])
     ("all_gather_single", "output_tensor", lambda n: (n - 1) / n),
     ("all_gather", "tensor_list", lambda n: (n - 1) / n),
     ("reduce_scatter_single", "input", lambda n: (n - 1) / n),

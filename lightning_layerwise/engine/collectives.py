@@ -18,6 +18,21 @@ Note [averaging]
     overflow where their mean is within a factor ``world`` of the dtype's largest
     value: possible only in fp16, where the ``16-mixed`` grad scaler then skips the
     step and lowers its scale.
+
+Note [uneven chunks]
+    Across owner groups a shard is cut into one chunk per replica, and the chunks
+    differ in length or are empty (Note [replica sharing] in ``layout/sharing.py``).
+    The list forms of reduce-scatter and all-gather take unequal sizes, but NCCL runs
+    them as one rooted reduce or broadcast per rank of the group, empty chunks
+    included (``ProcessGroupNCCL::reduce_scatter`` and ``allgather`` coalesce one
+    ``ncclReduce`` / ``ncclBroadcast`` per rank when the sizes differ), and gloo's
+    all-gather needs equal sizes. So an uneven chunk set is moved here as what NCCL
+    would run anyway, minus the empty chunks: one ``reduce`` to, and after the step
+    one ``broadcast`` from, each replica with a non-empty chunk. A shard that one
+    replica steps whole (at scale almost every shard of whole matrices: one matrix)
+    then costs two operations across the groups, not ``2 R``; each moves the chunk's
+    bytes once, as the list form did. Equal chunks that tile the shard keep the
+    single-tensor reduce-scatter and all-gather.
 """
 
 from __future__ import annotations
@@ -165,9 +180,10 @@ def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], g
     """Sums (averages, Note [averaging]) ``tensor`` over ``group`` into chunk ``rank`` of it, in place.
 
     ``ranges[r]`` is group rank ``r``'s chunk, ``[start, end)`` of ``tensor``; the chunks tile it in any
-    order and may differ in length or be empty (Note [replica sharing] in ``layout/sharing.py``). Equal consecutive
-    chunks take the single-tensor reduce-scatter; others the list form, which NCCL runs as one grouped
-    reduce per chunk and gloo natively. Returns the chunk.
+    order and may differ in length or be empty (Note [replica sharing] in ``layout/sharing.py``). Equal
+    consecutive chunks take the single-tensor reduce-scatter; others one reduce per non-empty chunk, rooted
+    at the rank that steps it (Note [uneven chunks]). After the wait, the other chunks of ``tensor`` hold
+    partial results that must not be read. Returns the chunk.
     """
     rank = 0 if group is None else dist.get_rank(group)
     mine = tensor[ranges[rank][0]:ranges[rank][1]]
@@ -177,9 +193,10 @@ def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], g
         return reduce_scatter_bucket(tensor, group, async_op, average)
     in_reduction = average and supports_average(group)
     op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
-    inputs = [tensor[a:b] for a, b in ranges]
-    work = _issue(group, lambda a: dist.reduce_scatter(mine, inputs, op=op, group=group, async_op=a), async_op)
-    result = Collective(mine, work if async_op else None,
+    works = [_issue(group, lambda a, c=tensor[b:e], d=dist.get_global_rank(group, r):
+                    dist.reduce(c, dst=d, op=op, group=group, async_op=a), async_op)
+             for r, (b, e) in enumerate(ranges) if e > b]
+    result = Collective(mine, _Works(works) if async_op else None,
                         divide_by=dist.get_world_size(group) if average and not in_reduction else None)
     if not async_op:
         result.wait()
@@ -189,24 +206,15 @@ def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], g
 def all_gather_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], group: ProcessGroup | None,
                       async_op: bool = True) -> Collective:
     """Fills every chunk ``ranges[r]`` of ``tensor`` from group rank ``r``, in place (the chunks as in
-    :func:`reduce_scatter_chunks`). Equal consecutive chunks take the single-tensor all-gather; uneven ones
-    the list form on NCCL (grouped broadcasts) and one broadcast per non-empty chunk elsewhere (gloo's
-    all-gather needs equal sizes)."""
+    :func:`reduce_scatter_chunks`). Equal consecutive chunks take the single-tensor all-gather; others one
+    broadcast per non-empty chunk from the rank that stepped it (Note [uneven chunks])."""
     if group is None:
         return Collective(tensor, None)
     if _even(ranges) and ranges[-1][1] == tensor.numel():
         return all_gather_bucket(tensor, group, async_op)
-    rank = dist.get_rank(group)
-    chunks = [tensor[a:b] for a, b in ranges]
-    if dist.get_backend(group) == "nccl":
-        work = _issue(group, lambda a: dist.all_gather(chunks, chunks[rank], group=group, async_op=a), async_op)
-        return Collective(tensor, work if async_op else None)
-    works = []
-    for r, chunk in enumerate(chunks):
-        if chunk.numel():
-            src = dist.get_global_rank(group, r)
-            works.append(_issue(group, lambda a, c=chunk, s=src: dist.broadcast(c, src=s, group=group, async_op=a),
-                                async_op))
+    works = [_issue(group, lambda a, c=tensor[b:e], s=dist.get_global_rank(group, r):
+                    dist.broadcast(c, src=s, group=group, async_op=a), async_op)
+             for r, (b, e) in enumerate(ranges) if e > b]
     return Collective(tensor, _Works(works) if async_op else None)
 
 

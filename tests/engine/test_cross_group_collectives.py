@@ -1,0 +1,124 @@
+"""Every collective one training step issues across owner groups, recorded at 6 ranks as 3 groups of 2 and at 8 as
+4 groups of 2 (Note [uneven chunks] in ``engine/collectives.py``).
+
+The example GPT with Muon (matrices) and AdamW (the rest, element-wise fill on) in small buckets, so that some
+shards hold one matrix, some several and the flat buckets pieces of element-wise parameters. In each worker the
+collectives of ``torch.distributed`` are wrapped to record the operation, its group and its tensors' sizes for two
+optimizer steps (after the set-up's broadcasts), once with every collective up to ``LATE_MS`` late (the timing
+fuzzer). Checked against the buckets' chunks:
+
+* no list-form reduce-scatter or all-gather with unequal sizes, on any group;
+* across the owner groups, one reduce and one broadcast per non-empty chunk of this rank's shard, so two
+  operations for a shard one replica steps whole (where the list form ran one per replica);
+* the elements moved across the groups: each shard twice (reduced, then broadcast), as the list form moved them.
+
+A mutation that puts the list form back fails the first check. Parity of these steps with one process is the
+replica-sharing tests' (``test_elementwise_fill.py``, ``test_sharded_parameters.py``, ``test_trainer.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import lightning_layerwise as llw
+from _dist import LATE_MS, run_distributed
+from lightning_layerwise.engine import collectives
+
+STEPS = 2
+GROUP = 2  # ranks per owner group
+VOCAB, BLOCK = 48, 8
+
+
+def _record(log: list) -> None:
+    """Wraps the collectives the package calls so that each call appends (op, group ranks, sizes, list form)."""
+    def wrap(name, fn, sizes_of, listed):
+        def recorded(*args, **kwargs):
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+                range(dist.get_world_size()))
+            log.append((name, ranks, sizes_of(*args, **kwargs), listed))
+            return fn(*args, **kwargs)
+        return recorded
+
+    def first(*args, **kwargs):
+        return [args[0].numel()]
+
+    def listed(position):
+        return lambda *args, **kwargs: [t.numel() for t in args[position]]
+
+    dist.reduce = wrap("reduce", dist.reduce, first, False)
+    dist.broadcast = wrap("broadcast", dist.broadcast, first, False)
+    dist.reduce_scatter = wrap("reduce_scatter", dist.reduce_scatter, listed(1), True)
+    dist.all_gather = wrap("all_gather", dist.all_gather, listed(0), True)
+    collectives._reduce_scatter_single = wrap("reduce_scatter_single", collectives._reduce_scatter_single,
+                                              lambda *a, **k: [a[1].numel()], False)
+    collectives._all_gather_single = wrap("all_gather_single", collectives._all_gather_single,
+                                          lambda *a, **k: [a[0].numel()], False)
+
+
+def _list_form_chunks(tensor, ranges, group, async_op=True, average=False):
+    """The mutation: uneven chunks through the list form again."""
+    rank = dist.get_rank(group)
+    mine = tensor[ranges[rank][0]:ranges[rank][1]]
+    work = dist.reduce_scatter(mine, [tensor[a:b] for a, b in ranges], group=group, async_op=async_op)
+    return collectives.Collective(mine, work if async_op else None,
+                                  divide_by=dist.get_world_size(group) if average else None)
+
+
+def _worker(rank, world, mutation):
+    from gpt import GPT, GPTConfig
+
+    if mutation == "list-form":
+        collectives.reduce_scatter_chunks = _list_form_chunks
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP))
+    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    wrapped = session.wrap(model, optimizer)
+    log: list = []
+    _record(log)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
+        logits, _ = wrapped(idx)
+        session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+        session.step(optimizer)
+        optimizer.zero_grad()
+    session.sync_parameters()
+    chunked = [b for b in wrapped.buckets if b.chunks is not None]
+    nonempty = sum(sum(1 for a, b in bucket.chunks if b > a) for bucket in chunked)
+    one_replica = sum(1 for bucket in chunked if sum(1 for a, b in bucket.chunks if b > a) == 1)
+    shard_elements = sum(bucket.shard[1] - bucket.shard[0] for bucket in chunked)
+    session.release()
+    return log, nonempty, one_replica, len(chunked), shard_elements
+
+
+@pytest.mark.parametrize("world, mutation, late", [(6, None, None), (6, None, LATE_MS), (8, None, None),
+                                                  (6, "list-form", None)])
+def test_across_owner_groups_each_chunk_is_one_rooted_reduce_and_one_broadcast(world, mutation, late):
+    uneven = []
+    for rank, (log, nonempty, one_replica, chunked, shard_elements) in enumerate(
+            run_distributed(_worker, world, mutation, timeout=400, late_ms=late)):
+        assert chunked >= 4 and one_replica >= 1 and nonempty > chunked, \
+            "some shards are stepped by one replica, some by several"
+        uneven += [(rank, op, sizes) for op, _, sizes, listed in log if listed and len(set(sizes)) > 1]
+        if mutation is not None:
+            continue
+        across = [(op, sizes) for op, ranks, sizes, _ in log if len({r // GROUP for r in ranks}) > 1]
+        ops = {op for op, _ in across}
+        assert ops <= {"reduce", "broadcast", "reduce_scatter_single", "all_gather_single"}, ops
+        reduces = [sizes[0] for op, sizes in across if op == "reduce"]
+        broadcasts = [sizes[0] for op, sizes in across if op == "broadcast"]
+        # every step: one reduce per non-empty chunk of each chunked bucket (none for an empty chunk); the
+        # broadcasts follow each step (their sizes: the same chunks)
+        assert len(reduces) == STEPS * nonempty and len(broadcasts) == STEPS * nonempty, \
+            (rank, len(reduces), len(broadcasts), nonempty)
+        assert all(n > 0 for n in reduces + broadcasts), "nothing is sent for an empty chunk"
+        assert sum(reduces) == sum(broadcasts) == STEPS * shard_elements, (rank, sum(reduces), shard_elements)
+    if mutation is None:
+        assert not uneven, uneven[:3]
+    else:
+        assert uneven, "the list form with unequal chunks went unnoticed: the test cannot fail"
