@@ -118,6 +118,22 @@ Note [sharded gradients]
     instead keep the local sum until the reducing backward, trading memory for bytes as
     FSDP2 does. What the optimizer reads (owned parameters' ``.grad``, pieces, norms, the
     finite check) lies in the shard, so the hand-out is unchanged.
+
+Note [replica reduce in backward]
+    With owner groups (Note [replica sharing] in ``layout/sharing.py``) a bucket's gradient
+    is reduced twice: inside its owner group (a reduce-scatter), then across the groups
+    into the chunk each replica steps (Note [uneven chunks] in ``engine/collectives.py``).
+    The second used to wait for the end of the backward, all of it exposed on the slowest
+    link. Now, whenever a bucket's in-group reduce-scatter is dispatched, the cross-group
+    reduce of every earlier bucket with chunks is issued, behind that bucket's own
+    reduce-scatter: the backward goes on computing while the groups exchange, and the end
+    of the backward issues only the last bucket's. The point of issue is a fixed place in
+    the order of dispatches, the same on every rank, so every communicator sees its
+    operations in one global order (as NCCL requires of ranks using several
+    communicators). The cross-group reduce needs the in-group result: on CPU the host
+    waits for that reduce-scatter, dispatched one bucket earlier; on a GPU the wait and
+    the issue happen on a side stream, so the stream the backward computes on never waits
+    for them.
 """
 
 from __future__ import annotations
@@ -370,6 +386,11 @@ class GradientSync:
         self._grads_handed_out = False
         self._any_seen = False  # a gradient arrived this accumulation (per parameter: _GradRecord.seen)
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
+        # Note [replica reduce in backward]: buckets with chunks whose in-group reduce-scatter is dispatched and
+        # whose cross-group reduce is not, in dispatch order; and those whose cross-group reduce is under way.
+        self._replica_queue: list[Bucket] = []
+        self._replica_started: set[int] = set()
+        self._replica_stream = None  # a side stream, on a GPU
         self.synced_at = 0
         """When this side last handed out reduced gradients, in this process's count of syncs (0: never)."""
         # What this rank steps, in registration order (Note [gradient lifecycle]).
@@ -517,6 +538,7 @@ class GradientSync:
                 free(b.grad_data)
         self._reducing, self._unreduced, self._flushed = [], False, False
         self._next_reduce = 0
+        self._replica_queue, self._replica_started = [], set()
         self._grads_handed_out = False
         self._any_seen = False
         for flags in self._split_flags:
@@ -650,8 +672,28 @@ class GradientSync:
             bucket.ensure_grad_buffer()  # a bucket no gradient reached here still takes part
         bucket.start_reduce()
         self.waiter.trace("rs_dispatch", bucket)
-        if self.sharded:
+        if self.sharded:  # its fold issues the cross-group reduce (Note [sharded gradients])
             self._reducing.append(bucket)
+            return
+        for earlier in self._replica_queue:  # Note [replica reduce in backward]
+            self._start_replica_reduce(earlier)
+        self._replica_queue = [bucket] if bucket.chunks is not None else []
+
+    def _start_replica_reduce(self, bucket: Bucket) -> None:
+        """Note [replica reduce in backward]: ``bucket``'s cross-group reduce, behind its in-group reduce-scatter."""
+        with self._side_stream(bucket):
+            self.waiter.wait(bucket.reduce, "reduce_scatter")
+            self.waiter.trace("rs_wait", bucket)
+            bucket.start_replica_reduce()
+        self._replica_started.add(id(bucket))
+        self.waiter.trace("replica_rs_dispatch", bucket)
+
+    def _side_stream(self, bucket: Bucket):
+        if not bucket.grad_data.is_cuda:
+            return contextlib.nullcontext()
+        if self._replica_stream is None:
+            self._replica_stream = torch.cuda.Stream(device=bucket.grad_data.device)
+        return torch.cuda.stream(self._replica_stream)
 
     # --- sharded parameters (Note [sharded gradients]) ----------------------------------------------------------
     def _fold(self, bucket: Bucket) -> None:
@@ -737,7 +779,10 @@ class GradientSync:
     def _finish_reductions(self) -> None:
         self._dispatch_ready_reduces(force=True)
         self._start_flag_reduces()
+        started, self._replica_queue, self._replica_started = self._replica_started, [], set()
         for bucket in self._reduce_order:
+            if id(bucket) in started:  # its cross-group reduce went out during the backward
+                continue
             if bucket.reduce is not None:
                 self.waiter.wait(bucket.reduce, "reduce_scatter")
                 bucket.reduce = None

@@ -122,3 +122,54 @@ def test_across_owner_groups_each_chunk_is_one_rooted_reduce_and_one_broadcast(w
         assert not uneven, uneven[:3]
     else:
         assert uneven, "the list form with unequal chunks went unnoticed: the test cannot fail"
+
+
+# --- the cross-group reduce during the backward (Note [replica reduce in backward] in engine/grad_sync.py) -----------
+
+def _order_worker(rank, world, mutation):
+    """The order in which one step issues its in-group reduce-scatters and cross-group reduces, as the buckets
+    call them (before any timing fuzzer delays the collective itself)."""
+    from gpt import GPT, GPTConfig
+    from lightning_layerwise.engine import buffers, grad_sync
+
+    if mutation == "at-the-end":
+        grad_sync.GradientSync._start_replica_reduce = lambda self, bucket: None
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=3, n_head=2, n_embd=32))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP))
+    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    wrapped = session.wrap(model, optimizer)
+    order: list[str] = []
+    in_group, across = buffers.Bucket.start_reduce, buffers.Bucket.start_replica_reduce
+    buffers.Bucket.start_reduce = lambda self: (order.append("in-group"), in_group(self))[1]
+    buffers.Bucket.start_replica_reduce = lambda self: (order.append("across"), across(self))[1]
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(STEPS):
+        order.clear()
+        idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
+        logits, _ = wrapped(idx)
+        session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+        session.step(optimizer)
+        optimizer.zero_grad()
+        steps.append(list(order))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    session.release()
+    return steps, params
+
+
+@pytest.mark.parametrize("late, mutation", [(None, None), (LATE_MS, None), (None, "at-the-end")])
+def test_the_cross_group_reduce_starts_while_the_backward_runs(late, mutation):
+    """At 6 ranks as 3 groups of 2, each step's first cross-group reduce is issued before its last in-group
+    reduce-scatter, with and without the timing fuzzer; the parameters are those of issuing every cross-group
+    reduce at the end of the backward (the mutation), bit for bit. The mutation fails the order check."""
+    results = run_distributed(_order_worker, 6, mutation, late_ms=late)
+    reference = None if mutation is not None else run_distributed(_order_worker, 6, "at-the-end")
+    for rank, (steps, params) in enumerate(results):
+        for order in steps:
+            assert order.count("across") >= 2 and order.count("in-group") >= 3, order
+            early = order.index("across") < len(order) - 1 - order[::-1].index("in-group")
+            assert early == (mutation is None), (rank, order)
+        if reference is not None:
+            for name, value in params.items():
+                assert torch.equal(value, reference[rank][1][name]), (rank, name)
