@@ -311,14 +311,17 @@ class Bucket:
 
     # --- parameters --------------------------------------------------------------------------------------------
     def queue_gather(self) -> None:
-        """This rank's shard was stepped: the all-gather is queued, and with replica sharing the chunks' all-gather
-        across the replicas starts now (the owner group's all-gather follows it)."""
+        """This rank's shard was stepped: its all-gathers are queued (with replica sharing, the chunks' across
+        the replicas first, :meth:`start_replica_gather`; then the owner group's, :meth:`start_gather`)."""
         self._move("param_state", (ParamState.READY,), ParamState.STEPPED)
         self.gather = None
-        if self.chunks is not None:
-            begin, end = self.shard
-            self.replica_gather = collectives.all_gather_chunks(self.param_data[begin:end], self.chunks,
-                                                                self.replica_group, async_op=True)
+
+    def start_replica_gather(self) -> None:
+        """With replica sharing: dispatches the all-gather of the shard's chunks across the replicas, which the
+        owner group's all-gather follows (Note [replica sharing] in ``layout/sharing.py``)."""
+        begin, end = self.shard
+        self.replica_gather = collectives.all_gather_chunks(self.param_data[begin:end], self.chunks,
+                                                            self.replica_group, async_op=True)
 
     def start_gather(self) -> None:
         """Dispatches the owner group's all-gather (the caller waited for :attr:`replica_gather`)."""

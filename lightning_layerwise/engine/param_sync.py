@@ -10,6 +10,16 @@ from the buckets alone and holds its own state (the queue, what is in flight); t
 buckets' states move only through their own methods (Note [bucket states] in
 ``engine/buffers.py``).
 
+Note [cross-group gathers]
+    With owner groups each bucket is gathered twice after the step: its shard's chunks
+    across the groups (the replicas), then the shards inside the group. Both follow the
+    forward order and the prefetch window: the cross-group all-gathers are dispatched in
+    bucket order, at most ``prefetch_depth`` buckets ahead of the in-group all-gather being
+    dispatched (not all of them at the step), and each in-group all-gather waits for its
+    own bucket's cross-group one only. On a GPU that wait and the in-group dispatch run on
+    a side stream, so the stream the forward computes on waits only for the in-group
+    all-gather of a bucket its next module needs (in the forward pre-hook).
+
 Note [compiled pre-hooks]
     ``torch.compile`` traces the forward pre-hooks with the module (Note [compiled
     wrapper] in ``engine/data_parallel.py``), and dynamo guards the graph on the Python state
@@ -30,6 +40,7 @@ Note [compiled pre-hooks]
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Iterable, Literal
 
@@ -72,7 +83,9 @@ class ParameterSync:
         self._bucket_by_id = {id(p): b for b in gather_order for p in b.params}  # no hashing inside the read guard
         self._queue: list[Bucket] = []  # the buckets the current sync gathers, in order
         self._next = 0  # position in _queue of the next bucket to dispatch
+        self._next_replica = 0  # position in _queue of the next bucket whose chunks to gather across the groups
         self._in_flight: list[Bucket] = []
+        self._side = None  # a side stream for the cross-group waits, on a GPU (Note [cross-group gathers])
 
     @property
     def pending(self) -> bool:
@@ -102,9 +115,7 @@ class ParameterSync:
             if strict:
                 _poison_others_shards(bucket)
             bucket.queue_gather()
-            if bucket.replica_gather is not None:
-                self.waiter.trace("replica_ag_dispatch", bucket)
-        self._queue, self._next = queue, 0
+        self._queue, self._next, self._next_replica = queue, 0, 0
         if not overlap:
             self.finish()
         elif not strict:  # strict dispatches each gather only when something waits for it
@@ -157,17 +168,38 @@ class ParameterSync:
         """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""
         if wait:
             self.finish()
-        self._queue, self._next, self._in_flight = [], 0, []
+        self._queue, self._next, self._next_replica, self._in_flight = [], 0, 0, []
 
     def _dispatch_next(self) -> None:
         bucket = self._queue[self._next]
         self._next += 1
-        if bucket.replica_gather is not None:  # the owner group gathers the shards the replicas completed
-            self.waiter.wait(bucket.replica_gather, "replica_all_gather")
-            self.waiter.trace("replica_ag_wait", bucket)
-        bucket.start_gather()
+        self._dispatch_replica_gathers(through=self._next - 1 + self.prefetch_depth)
+        if bucket.replica_gather is None:
+            bucket.start_gather()
+        else:  # the owner group gathers the shards the replicas completed (Note [cross-group gathers])
+            with self._side_stream(bucket):
+                self.waiter.wait(bucket.replica_gather, "replica_all_gather")
+                self.waiter.trace("replica_ag_wait", bucket)
+                bucket.start_gather()
         self._in_flight.append(bucket)
         self.waiter.trace("ag_dispatch", bucket)
+
+    def _dispatch_replica_gathers(self, through: int) -> None:
+        """Note [cross-group gathers]: the chunks' all-gathers across the groups, in bucket order, up to position
+        ``through`` of the queue."""
+        while self._next_replica <= min(through, len(self._queue) - 1):
+            bucket = self._queue[self._next_replica]
+            self._next_replica += 1
+            if bucket.chunks is not None:
+                bucket.start_replica_gather()
+                self.waiter.trace("replica_ag_dispatch", bucket)
+
+    def _side_stream(self, bucket: Bucket):
+        if not bucket.param_data.is_cuda:
+            return contextlib.nullcontext()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=bucket.param_data.device)
+        return torch.cuda.stream(self._side)
 
     def _wait_oldest(self) -> None:
         bucket = self._in_flight.pop(0)
@@ -177,7 +209,7 @@ class ParameterSync:
             read_guard.restore(p)
         self.waiter.trace("ag_wait", bucket)
         if not self._in_flight and self._next >= len(self._queue):
-            self._queue, self._next = [], 0  # Note [compiled pre-hooks]: synced is one state
+            self._queue, self._next, self._next_replica = [], 0, 0  # Note [compiled pre-hooks]: synced is one state
 
     def _top_up(self) -> None:
         while len(self._in_flight) < self.prefetch_depth and self._next < len(self._queue):

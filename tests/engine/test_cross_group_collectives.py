@@ -14,6 +14,11 @@ fuzzer). Checked against the buckets' chunks:
 
 A mutation that puts the list form back fails the first check. Parity of these steps with one process is the
 replica-sharing tests' (``test_elementwise_fill.py``, ``test_sharded_parameters.py``, ``test_trainer.py``).
+
+Two tests of when they go out: each step's first cross-group reduce is issued while the backward still runs
+(Note [replica reduce in backward] in ``engine/grad_sync.py``), and after the step the cross-group all-gathers
+follow the forward order within the prefetch window (Note [cross-group gathers] in ``engine/param_sync.py``);
+a mutation that restores the old timing fails each.
 """
 
 from __future__ import annotations
@@ -173,3 +178,76 @@ def test_the_cross_group_reduce_starts_while_the_backward_runs(late, mutation):
         if reference is not None:
             for name, value in params.items():
                 assert torch.equal(value, reference[rank][1][name]), (rank, name)
+
+
+# --- the cross-group gathers after the step (Note [cross-group gathers] in engine/param_sync.py) --------------------
+
+DEPTH = 1
+
+
+def _gather_worker(rank, world, mutation):
+    from gpt import GPT, GPTConfig
+    from lightning_layerwise.engine import buffers
+
+    from lightning_layerwise.engine.param_sync import ParameterSync
+
+    if mutation == "all-at-the-step":  # every bucket's cross-group gather dispatched at the step, as before
+        start = ParameterSync.start
+
+        def start_all(self, buckets=None, force_sync=False):
+            start(self, buckets, force_sync)
+            self._dispatch_replica_gathers(through=len(self._queue))
+        ParameterSync.start = start_all
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=3, n_head=2, n_embd=32))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP,
+                                                       prefetch_depth=DEPTH, overlap_param_gather=True))
+    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    wrapped = session.wrap(model, optimizer)
+    order = wrapped.param_sync.gather_order
+    position = {id(b): i for i, b in enumerate(order)}
+    events: list[tuple[str, int]] = []
+    across, in_group = buffers.Bucket.start_replica_gather, buffers.Bucket.start_gather
+    buffers.Bucket.start_replica_gather = lambda self: (events.append(("across", position[id(self)])),
+                                                        across(self))[1]
+    buffers.Bucket.start_gather = lambda self: (events.append(("in-group", position[id(self)])), in_group(self))[1]
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for _ in range(STEPS):
+        idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
+        logits, _ = wrapped(idx)
+        session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+        events.clear()
+        session.step(optimizer)
+        optimizer.zero_grad()
+        wrapped(idx)  # the next forward, whose pre-hooks wait for the gathers
+        session.sync_parameters()
+        steps.append(list(events))
+    chunked = [position[id(b)] for b in order if b.chunks is not None]
+    session.release()
+    return steps, chunked, len(order)
+
+
+@pytest.mark.parametrize("mutation", [None, "all-at-the-step"])
+def test_cross_group_gathers_follow_the_forward_within_the_prefetch_window(mutation):
+    """At 6 ranks as 3 groups of 2 with ``prefetch_depth=1``: the cross-group all-gathers go out in bucket order,
+    each at most ``prefetch_depth`` buckets ahead of the in-group all-gather being dispatched, and each bucket's
+    before its in-group one. Dispatching every cross-group gather at the step (as before) breaks the window."""
+    outside = []
+    for rank, (steps, chunked, n_buckets) in enumerate(run_distributed(_gather_worker, 6, mutation)):
+        assert len(chunked) > DEPTH + 2, (chunked, n_buckets)
+        for events in steps:
+            across = [i for kind, i in events if kind == "across"]
+            assert across == chunked, (rank, events)  # each once, in bucket order
+            dispatched = -1  # the position of the last in-group all-gather dispatched
+            for kind, i in events:
+                if kind == "in-group":
+                    if i in chunked:
+                        assert ("across", i) in events[:events.index((kind, i))], (rank, events)
+                    dispatched = i
+                elif i > dispatched + 1 + DEPTH:
+                    outside.append((rank, i, dispatched))
+    if mutation is None:
+        assert not outside, outside[:4]
+    else:
+        assert outside, "dispatching every cross-group gather at the step stayed in the window: the test cannot fail"
