@@ -251,3 +251,31 @@ def test_cross_group_gathers_follow_the_forward_within_the_prefetch_window(mutat
         assert not outside, outside[:4]
     else:
         assert outside, "dispatching every cross-group gather at the step stayed in the window: the test cannot fail"
+
+
+# --- how many groups set-up creates at scale -----------------------------------------------------------------------
+
+def test_the_number_of_new_group_calls_at_1024_ranks(monkeypatch):
+    """``ProcessGroups.create`` at dp 1024 with owner groups of 8 (what ``owner_group_size="auto"`` picks with 8
+    GPUs per node), counted with ``torch.distributed`` replaced by a recorder: one data-parallel group, an owner
+    group and its all-gather communicator for each of the 128 groups, one replica group for each of the 8
+    positions. Every rank makes every call (torch requires it), so set-up makes 265 ``new_group`` calls; each is a
+    collective over the world. With 64 experts on top (expert owner groups of 8 inside each expert data-parallel
+    group of 16) it makes more; both counts are quoted in docs/design.md."""
+    from lightning_layerwise.engine.process_groups import ProcessGroups
+
+    calls: list[tuple[int, ...]] = []
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1024)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kwargs: calls.append(tuple(ranks)) or object())
+    groups = ProcessGroups.create(owner_group_size=8)
+    assert len(calls) == 1 + 2 * 128 + 8 == 265, len(calls)
+    assert sorted(map(len, calls)) == [8] * 256 + [128] * 8 + [1024]
+    assert groups.owner is not None and groups.replica is not None
+    calls.clear()
+    ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_owner_group_size=8)
+    # dense as above; expert: 16 expert-parallel groups of 64, 64 expert data-parallel groups of 16 (+ their
+    # all-gather communicators), and in each, 2 owner groups of 8 (+ all-gather) and 8 replica groups of 2
+    assert len(calls) == 265 + 16 + 2 * 64 + 64 * (2 * 2 + 8), len(calls)
