@@ -37,6 +37,7 @@ Note [uneven chunks]
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -91,6 +92,22 @@ class Collective:
     @property
     def pending(self) -> bool:
         return self.work is not None
+
+
+class SideStream:
+    """A CUDA stream beside the one the model computes on, made at first use, in which a wait for one collective and
+    the dispatch of the next that depends on it stay off that stream (Note [replica reduce in backward] in
+    ``engine/grad_sync.py``, Note [cross-group gathers] in ``engine/param_sync.py``). Off a GPU, no context."""
+
+    def __init__(self) -> None:
+        self._stream = None
+
+    def __call__(self, tensor: torch.Tensor):
+        if not tensor.is_cuda:
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=tensor.device)
+        return torch.cuda.stream(self._stream)
 
 
 def supports_average(group: ProcessGroup) -> bool:

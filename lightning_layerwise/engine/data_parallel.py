@@ -367,10 +367,7 @@ class LayerwiseDataParallel(nn.Module):
             final[name_of[id(old)]] = new
             left[id(bucket)] -= 1
             if left[id(bucket)] == 0:
-                full = fulls.pop(id(bucket))
-                group = self.process_groups.expert_dp if bucket.expert else self.process_groups.dp
-                collectives.broadcast_tensors([full], group)
-                cut_shard(bucket, plan_of[id(bucket)], self.layout, final, stepped, full)
+                self._publish_bucket(bucket, plan_of[id(bucket)], final, stepped, fulls.pop(id(bucket)))
 
         self.replaced_parameters = materialize(self.module, device, on_final, memory_for)
         for bucket in self._buckets:
@@ -410,10 +407,16 @@ class LayerwiseDataParallel(nn.Module):
                 for name in bp.params:
                     p, slot = named[name], self.layout.params[name]
                     view_of(full, slot, like=p, offset=slot.offset - bp.start).copy_(p.detach())
-                group = self.process_groups.expert_dp if bucket.expert else self.process_groups.dp
-                collectives.broadcast_tensors([full], group)
-                cut_shard(bucket, bp, self.layout, named, stepped, full)  # the parameters' own memory goes
+                self._publish_bucket(bucket, bp, named, stepped, full)  # the parameters' own memory goes
         return sharded
+
+    def _publish_bucket(self, bucket: Bucket, bp, named: dict[str, nn.Parameter], stepped: set[str],
+                        full: torch.Tensor) -> None:
+        """Set-up with sharded parameters: ``full`` (the bucket's parameters) is broadcast from the first rank of
+        the bucket's group, so every replica holds the same values, then cut to this rank's shard and freed."""
+        group = self.process_groups.expert_dp if bucket.expert else self.process_groups.dp
+        collectives.broadcast_tensors([full], group)
+        cut_shard(bucket, bp, self.layout, named, stepped, full)
 
     def _stepped_whole_names(self) -> set[str]:
         """The parameters this rank steps whole (with sharded parameters they view their bucket's shard)."""

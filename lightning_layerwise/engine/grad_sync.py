@@ -390,7 +390,7 @@ class GradientSync:
         # whose cross-group reduce is not, in dispatch order; and those whose cross-group reduce is under way.
         self._replica_queue: list[Bucket] = []
         self._replica_started: set[int] = set()
-        self._replica_stream = None  # a side stream, on a GPU
+        self._side_stream = collectives.SideStream()
         self.synced_at = 0
         """When this side last handed out reduced gradients, in this process's count of syncs (0: never)."""
         # What this rank steps, in registration order (Note [gradient lifecycle]).
@@ -681,19 +681,12 @@ class GradientSync:
 
     def _start_replica_reduce(self, bucket: Bucket) -> None:
         """Note [replica reduce in backward]: ``bucket``'s cross-group reduce, behind its in-group reduce-scatter."""
-        with self._side_stream(bucket):
+        with self._side_stream(bucket.grad_data):
             self.waiter.wait(bucket.reduce, "reduce_scatter")
             self.waiter.trace("rs_wait", bucket)
             bucket.start_replica_reduce()
         self._replica_started.add(id(bucket))
         self.waiter.trace("replica_rs_dispatch", bucket)
-
-    def _side_stream(self, bucket: Bucket):
-        if not bucket.grad_data.is_cuda:
-            return contextlib.nullcontext()
-        if self._replica_stream is None:
-            self._replica_stream = torch.cuda.Stream(device=bucket.grad_data.device)
-        return torch.cuda.stream(self._replica_stream)
 
     # --- sharded parameters (Note [sharded gradients]) ----------------------------------------------------------
     def _fold(self, bucket: Bucket) -> None:

@@ -40,14 +40,13 @@ Note [compiled pre-hooks]
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable, Iterable, Literal
 
 import torch
 from torch import nn
 
-from . import read_guard
+from . import collectives, read_guard
 from .buffers import Bucket, ParamState
 from .read_guard import StaleParameterReadError
 from .waiter import Waiter
@@ -85,7 +84,7 @@ class ParameterSync:
         self._next = 0  # position in _queue of the next bucket to dispatch
         self._next_replica = 0  # position in _queue of the next bucket whose chunks to gather across the groups
         self._in_flight: list[Bucket] = []
-        self._side = None  # a side stream for the cross-group waits, on a GPU (Note [cross-group gathers])
+        self._side_stream = collectives.SideStream()  # Note [cross-group gathers]
 
     @property
     def pending(self) -> bool:
@@ -177,7 +176,7 @@ class ParameterSync:
         if bucket.replica_gather is None:
             bucket.start_gather()
         else:  # the owner group gathers the shards the replicas completed (Note [cross-group gathers])
-            with self._side_stream(bucket):
+            with self._side_stream(bucket.param_data):
                 self.waiter.wait(bucket.replica_gather, "replica_all_gather")
                 self.waiter.trace("replica_ag_wait", bucket)
                 bucket.start_gather()
@@ -193,13 +192,6 @@ class ParameterSync:
             if bucket.chunks is not None:
                 bucket.start_replica_gather()
                 self.waiter.trace("replica_ag_dispatch", bucket)
-
-    def _side_stream(self, bucket: Bucket):
-        if not bucket.param_data.is_cuda:
-            return contextlib.nullcontext()
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=bucket.param_data.device)
-        return torch.cuda.stream(self._side)
 
     def _wait_oldest(self) -> None:
         bucket = self._in_flight.pop(0)

@@ -37,6 +37,25 @@ GROUP = 2  # ranks per owner group
 VOCAB, BLOCK = 48, 8
 
 
+def _gpt_session(n_layer: int, **config):
+    """The example GPT (same start on every rank), Muon and AdamW, owner groups of ``GROUP``, small buckets."""
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=n_layer, n_head=2, n_embd=32))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP, **config))
+    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
+    return model, session, optimizer, session.wrap(model, optimizer)
+
+
+def _backward(session, wrapped, g: torch.Generator) -> torch.Tensor:
+    """One micro-batch of this rank's tokens through forward and backward; returns the tokens."""
+    idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
+    logits, _ = wrapped(idx)
+    session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+    return idx
+
+
 def _record(log: list) -> None:
     """Wraps the collectives the package calls so that each call appends (op, group ranks, sizes, list form)."""
     def wrap(name, fn, sizes_of, listed):
@@ -74,22 +93,14 @@ def _list_form_chunks(tensor, ranges, group, async_op=True, average=False):
 
 
 def _worker(rank, world, mutation):
-    from gpt import GPT, GPTConfig
-
     if mutation == "list-form":
         collectives.reduce_scatter_chunks = _list_form_chunks
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=2, n_head=2, n_embd=32))
-    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP))
-    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
-    wrapped = session.wrap(model, optimizer)
+    model, session, optimizer, wrapped = _gpt_session(2)
     log: list = []
     _record(log)
     g = torch.Generator().manual_seed(rank)
     for _ in range(STEPS):
-        idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
-        logits, _ = wrapped(idx)
-        session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+        _backward(session, wrapped, g)
         session.step(optimizer)
         optimizer.zero_grad()
     session.sync_parameters()
@@ -134,16 +145,11 @@ def test_across_owner_groups_each_chunk_is_one_rooted_reduce_and_one_broadcast(w
 def _order_worker(rank, world, mutation):
     """The order in which one step issues its in-group reduce-scatters and cross-group reduces, as the buckets
     call them (before any timing fuzzer delays the collective itself)."""
-    from gpt import GPT, GPTConfig
     from lightning_layerwise.engine import buffers, grad_sync
 
     if mutation == "at-the-end":
         grad_sync.GradientSync._start_replica_reduce = lambda self, bucket: None
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=3, n_head=2, n_embd=32))
-    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP))
-    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
-    wrapped = session.wrap(model, optimizer)
+    model, session, optimizer, wrapped = _gpt_session(3)
     order: list[str] = []
     in_group, across = buffers.Bucket.start_reduce, buffers.Bucket.start_replica_reduce
     buffers.Bucket.start_reduce = lambda self: (order.append("in-group"), in_group(self))[1]
@@ -152,9 +158,7 @@ def _order_worker(rank, world, mutation):
     steps = []
     for _ in range(STEPS):
         order.clear()
-        idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
-        logits, _ = wrapped(idx)
-        session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+        _backward(session, wrapped, g)
         session.step(optimizer)
         optimizer.zero_grad()
         steps.append(list(order))
@@ -186,7 +190,6 @@ DEPTH = 1
 
 
 def _gather_worker(rank, world, mutation):
-    from gpt import GPT, GPTConfig
     from lightning_layerwise.engine import buffers
 
     from lightning_layerwise.engine.param_sync import ParameterSync
@@ -198,12 +201,7 @@ def _gather_worker(rank, world, mutation):
             start(self, buckets, force_sync)
             self._dispatch_replica_gathers(through=len(self._queue))
         ParameterSync.start = start_all
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=BLOCK, n_layer=3, n_head=2, n_embd=32))
-    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4000, owner_group_size=GROUP,
-                                                       prefetch_depth=DEPTH, overlap_param_gather=True))
-    optimizer = llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)
-    wrapped = session.wrap(model, optimizer)
+    model, session, optimizer, wrapped = _gpt_session(3, prefetch_depth=DEPTH, overlap_param_gather=True)
     order = wrapped.param_sync.gather_order
     position = {id(b): i for i, b in enumerate(order)}
     events: list[tuple[str, int]] = []
@@ -214,9 +212,7 @@ def _gather_worker(rank, world, mutation):
     g = torch.Generator().manual_seed(rank)
     steps = []
     for _ in range(STEPS):
-        idx = torch.randint(0, VOCAB, (2, BLOCK), generator=g)
-        logits, _ = wrapped(idx)
-        session.backward(F.cross_entropy(logits.reshape(-1, VOCAB), idx.reshape(-1)))
+        idx = _backward(session, wrapped, g)
         events.clear()
         session.step(optimizer)
         optimizer.zero_grad()

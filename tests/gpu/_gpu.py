@@ -19,6 +19,7 @@ created before the Trainer, which then reuses it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
@@ -280,3 +281,36 @@ def _world1_group_factory(cls, separate_all_gather: bool = True, backend=None, t
     assert not unknown, f"the stand-in was passed settings ProcessGroups.create does not take: {sorted(unknown)}"
     assert all(v in (None, 1) for v in group_sizes.values()), group_sizes
     return _nccl_groups(separate_all_gather)
+
+
+# --- several gloo ranks over CUDA tensors on the one GPU (NCCL refuses two ranks on one device) -----------------------
+
+@contextlib.contextmanager
+def gloo_over_cuda(tmp: str, tag: str, rank: int, world: int):
+    """Inside a spawned rank: the GPU, and a gloo group over a file store under ``tmp``, destroyed at the end."""
+    torch.cuda.set_device(0)
+    store = dist.FileStore(os.path.join(tmp, f"gloo_store_{tag}"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def save_rank(tmp: str, tag: str, rank: int, out: object) -> None:
+    """What a spawned rank hands back to :func:`spawn_ranks`."""
+    with open(os.path.join(tmp, f"{tag}_rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+
+
+def spawn_ranks(worker, world: int, tmp: str, tag: str, *args) -> list:
+    """Runs ``worker(rank, world, tmp, *args)`` on ``world`` spawned processes; returns what each saved with
+    :func:`save_rank` under ``tag``, by rank."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=(world, tmp, *args), nprocs=world, start_method="spawn")
+    ranks = []
+    for rank in range(world):
+        with open(os.path.join(tmp, f"{tag}_rank{rank}.pkl"), "rb") as f:
+            ranks.append(pickle.load(f))
+    return ranks

@@ -14,16 +14,11 @@ error on both at the next norm (on CUDA the vote's verdict is read late, without
 
 from __future__ import annotations
 
-import os
-import pickle
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import lightning_layerwise as llw
-from _gpu import TOL, _rel_err, _run_child
+from _gpu import TOL, _rel_err, _run_child, gloo_over_cuda, save_rank, spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,11 +38,8 @@ MULTI_WORLD = 4
 def _gloo_cuda_worker(rank: int, world: int, tmp: str, owner_group_size, opt_names: list[str]) -> None:
     from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
 
-    torch.cuda.set_device(0)
-    store = dist.FileStore(os.path.join(tmp, f"gloo_store_{owner_group_size}"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     out = {}
-    try:
+    with gloo_over_cuda(tmp, f"ranks_{owner_group_size}", rank, world):
         for opt_name in opt_names:
             model = gpt(seed=rank).cuda()  # rank 0's initialisation is broadcast
             opt = optimizer(opt_name, model)
@@ -63,14 +55,10 @@ def _gloo_cuda_worker(rank: int, world: int, tmp: str, owner_group_size, opt_nam
             out[opt_name] = {"params": {n: v.cpu() for n, v in snapshot(model).items()},
                              "split": {n: len(s.pieces) for n, s in ddp.layout.params.items() if s.split},
                              "device": str(next(model.parameters()).device)}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}_{owner_group_size}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+    save_rank(tmp, f"ranks_{owner_group_size}", rank, out)
 
 
 def _gloo_cuda_child(tmp: str, owner_group_size) -> dict:
-    import torch.multiprocessing as mp
     from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
 
     names = ["adamw", "muon", "sgd"]
@@ -83,12 +71,7 @@ def _gloo_cuda_child(tmp: str, owner_group_size) -> dict:
             gpt_loss(model, tokens.cuda()).backward()
             opt.step()
         reference[opt_name] = {n: v.cpu() for n, v in snapshot(model).items()}
-    mp.start_processes(_gloo_cuda_worker, args=(MULTI_WORLD, tmp, owner_group_size, names), nprocs=MULTI_WORLD,
-                       start_method="spawn")
-    ranks = []
-    for rank in range(MULTI_WORLD):
-        with open(os.path.join(tmp, f"rank{rank}_{owner_group_size}.pkl"), "rb") as f:
-            ranks.append(pickle.load(f))
+    ranks = spawn_ranks(_gloo_cuda_worker, MULTI_WORLD, tmp, f"ranks_{owner_group_size}", owner_group_size, names)
     return {"reference": reference, "ranks": ranks}
 
 
@@ -126,11 +109,8 @@ def _filtered(model) -> list:
 def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
     from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
 
-    torch.cuda.set_device(0)
-    store = dist.FileStore(os.path.join(tmp, "gloo_clip_store"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     out = {"norms": [], "markers": 0}
-    try:
+    with gloo_over_cuda(tmp, "clip", rank, world):
         model = gpt(seed=rank).cuda()
         opt = optimizer("sgd", model)
         ddp = wrap(model, opt, bucket_size=2048)
@@ -160,14 +140,10 @@ def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
                 errors.append(str(error))
         out["errors"] = errors
         ddp.release()
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"clip_rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
+    save_rank(tmp, "clip", rank, out)
 
 
 def _gloo_cuda_clip_child(tmp: str) -> dict:
-    import torch.multiprocessing as mp
     from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
 
     model = gpt().cuda()
@@ -179,11 +155,7 @@ def _gloo_cuda_clip_child(tmp: str) -> dict:
         norms.append(torch.nn.utils.clip_grad_norm_(_filtered(model), CLIP_MAX_NORM).item())
         opt.step()
     reference = {"params": {n: v.cpu() for n, v in snapshot(model).items()}, "norms": norms}
-    mp.start_processes(_gloo_cuda_clip_worker, args=(CLIP_WORLD, tmp), nprocs=CLIP_WORLD, start_method="spawn")
-    ranks = []
-    for rank in range(CLIP_WORLD):
-        with open(os.path.join(tmp, f"clip_rank{rank}.pkl"), "rb") as f:
-            ranks.append(pickle.load(f))
+    ranks = spawn_ranks(_gloo_cuda_clip_worker, CLIP_WORLD, tmp, "clip")
     return {"reference": reference, "ranks": ranks}
 
 

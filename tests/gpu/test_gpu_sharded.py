@@ -17,16 +17,12 @@ below the whole model's.
 
 from __future__ import annotations
 
-import os
-import pickle
 import warnings
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from _gpu import TOL, _rel_err, _run_child
+from _gpu import TOL, _rel_err, _run_child, gloo_over_cuda, save_rank, spawn_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,10 +36,8 @@ def _sharded_worker(rank: int, world: int, tmp: str, opt_name: str, owner_group_
     import lightning_layerwise as llw
     from test_sharded_parameters import batches, loss_of, make_model, make_optimizer, nothing_full
 
-    torch.cuda.set_device(0)
-    store = dist.FileStore(os.path.join(tmp, f"store_{opt_name}_{owner_group_size}"), world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=300))
-    try:
+    tag = f"sharded_{opt_name}_{owner_group_size}"
+    with gloo_over_cuda(tmp, tag, rank, world):
         session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=1000,
                                                            owner_group_size=owner_group_size))
         model = make_model("attention").cuda()
@@ -66,14 +60,10 @@ def _sharded_worker(rank: int, world: int, tmp: str, opt_name: str, owner_group_
         session.release()
         released = {n: (p.device.type, torch.equal(p.detach().cpu(), params[n]))
                     for n, p in model.named_parameters()}
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}_{opt_name}_{owner_group_size}.pkl"), "wb") as f:
-        pickle.dump({"params": params, "freed": freed, "held": held, "whole": whole, "released": released}, f)
+    save_rank(tmp, tag, rank, {"params": params, "freed": freed, "held": held, "whole": whole, "released": released})
 
 
 def _sharded_child(tmp: str, opt_name: str, owner_group_size) -> dict:
-    import torch.multiprocessing as mp
     from test_sharded_parameters import batches, loss_of, make_model, make_optimizer
 
     model = make_model("attention").cuda()
@@ -83,12 +73,8 @@ def _sharded_child(tmp: str, opt_name: str, owner_group_size) -> dict:
         loss_of(model, idx.cuda(), target.cuda()).backward()
         optimizer.step()
     reference = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    mp.start_processes(_sharded_worker, args=(WORLD, tmp, opt_name, owner_group_size), nprocs=WORLD,
-                       start_method="spawn")
-    ranks = []
-    for rank in range(WORLD):
-        with open(os.path.join(tmp, f"rank{rank}_{opt_name}_{owner_group_size}.pkl"), "rb") as f:
-            ranks.append(pickle.load(f))
+    ranks = spawn_ranks(_sharded_worker, WORLD, tmp, f"sharded_{opt_name}_{owner_group_size}", opt_name,
+                        owner_group_size)
     return {"reference": reference, "ranks": ranks}
 
 
