@@ -155,17 +155,18 @@ def bytes_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
     """Bytes the busiest rank sends per step against ddp's gradient all-reduce, all in one dtype.
 
     Inside the owner group a ring reduce-scatter and all-gather of each bucket, ``2 (g-1)/g`` of it. Across
-    the replicas the uneven reduce-scatter and all-gather of the shard's chunks (Note [replica sharing]): a
-    ring reduce to each chunk's replica, then a ring broadcast from it, in which every other replica sends
-    that chunk once, so replica ``k`` sends ``2 (shard - its chunk)``."""
+    the replicas each shard's chunks (Note [replica sharing]): a ring reduce to the replica stepping a whole
+    shard and a ring broadcast from it, or a ring reduce-scatter and all-gather of equal chunks; either way
+    replica ``k`` sends ``2 (shard - its chunk)``. A padding-only shard sends nothing across."""
     g, replicas = layout.dp, layout.replicas
     sent = [0.0] * (g * replicas)
     for plan in layout.buffers:
         for b in plan.buckets:
             group = 2 * (g - 1) / g * b.numel
             for p in range(g):
+                across = replicas > 1 and (not b.chunks or bool(b.chunks[p]))
                 for k, (lo, hi) in enumerate(b.chunk_ranges(p)):
-                    sent[k * g + p] += group + 2 * (b.shard_size - (hi - lo)) * (replicas > 1)
+                    sent[k * g + p] += group + 2 * (b.shard_size - (hi - lo)) * across
     return max(sent) / (2 * (dp - 1) / dp * model.numel)
 
 
@@ -259,9 +260,10 @@ def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repea
         for plan in plans:
             for b in plan.buckets:
                 for p in range(g_kind):
+                    across = replicas > 1 and (not b.chunks or bool(b.chunks[p]))  # padding only: nothing
                     for k, (lo, hi) in enumerate(b.chunk_ranges(p)):
                         per_rank[k * g_kind + p] += 2 * (g_kind - 1) / g_kind * b.numel \
-                            + 2 * (b.shard_size - (hi - lo)) * (replicas > 1)
+                            + 2 * (b.shard_size - (hi - lo)) * across
         sent += max(per_rank)
         ddp_bytes += 2 * (ranks - 1) / ranks * params
         out[f"{kind}_padding"] = 1 - params / elements if elements else 0.0

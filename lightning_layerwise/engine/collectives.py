@@ -12,27 +12,31 @@ Note [averaging]
     Inputs are never divided before the reduction: in bf16 or fp16, ``g / world``
     rounds every rank's gradient once more (and can underflow), and the sum of
     the rounded parts differs from the mean. Where the backend has it, the mean is
-    taken in the reduction (``ReduceOp.AVG``, NCCL); otherwise (gloo) the sum is
-    reduced and :meth:`Collective.wait` divides this rank's shard (1/world of the
-    bucket, so also fewer elements to divide). The sum of ``world`` values can only
-    overflow where their mean is within a factor ``world`` of the dtype's largest
-    value: possible only in fp16, where the ``16-mixed`` grad scaler then skips the
-    step and lowers its scale.
+    taken in the reduction (``ReduceOp.AVG``); otherwise the sum is reduced and
+    :meth:`Collective.wait` divides this rank's shard (1/world of the bucket, so
+    also fewer elements to divide). Whether a backend has it is found by trying, not
+    from its name (:func:`probe_averaging`, run by set-up on every group it averages
+    over): NCCL averages all three reductions, gloo does in torch 2.13 and may not in
+    another release, and a backend registered under another name is taken for what it
+    does. The sum of ``world`` values can only overflow where their mean is within a
+    factor ``world`` of the dtype's largest value: possible only in fp16, where the
+    ``16-mixed`` grad scaler then skips the step and lowers its scale.
 
 Note [uneven chunks]
-    Across owner groups a shard is cut into one chunk per replica, and the chunks
-    differ in length or are empty (Note [replica sharing] in ``layout/sharing.py``).
-    The list forms of reduce-scatter and all-gather take unequal sizes, but NCCL runs
-    them as one rooted reduce or broadcast per rank of the group, empty chunks
-    included (``ProcessGroupNCCL::reduce_scatter`` and ``allgather`` coalesce one
-    ``ncclReduce`` / ``ncclBroadcast`` per rank when the sizes differ), and gloo's
-    all-gather needs equal sizes. So an uneven chunk set is moved here as what NCCL
-    would run anyway, minus the empty chunks: one ``reduce`` to, and after the step
-    one ``broadcast`` from, each replica with a non-empty chunk. A shard that one
-    replica steps whole (at scale almost every shard of whole matrices: one matrix)
-    then costs two operations across the groups, not ``2 R``; each moves the chunk's
-    bytes once, as the list form did. Equal chunks that tile the shard keep the
-    single-tensor reduce-scatter and all-gather.
+    Across owner groups a shard is cut into one chunk per replica (Note [replica
+    sharing] in ``layout/sharing.py``). The list forms of reduce-scatter and all-gather
+    would take unequal chunks, but NCCL runs them as one rooted reduce or broadcast per
+    rank of the group, empty chunks included (``ProcessGroupNCCL::reduce_scatter`` and
+    ``allgather`` coalesce one ``ncclReduce`` / ``ncclBroadcast`` per rank when the sizes
+    differ), and gloo's all-gather needs equal sizes. So no list form is used: equal
+    consecutive chunks that tile the shard (the flat shards) take the single-tensor
+    reduce-scatter and all-gather; any other chunk set is moved as one ``reduce`` to, and
+    after the step one ``broadcast`` from, each replica with a non-empty chunk, nothing
+    for the empty ones. The planner cuts every shard so that this is two operations: one
+    replica steps a shard of whole parameters (one reduce, one broadcast) and a flat shard
+    is cut evenly (one of each single-tensor form); only a shard it splits for balance
+    costs two per replica that steps some of it. Each moves the chunk's bytes once, as
+    the list form did.
 """
 
 from __future__ import annotations
@@ -110,9 +114,54 @@ class SideStream:
         return torch.cuda.stream(self._stream)
 
 
-def supports_average(group: ProcessGroup) -> bool:
-    """Whether ``group``'s backend averages in the reduction itself (``ReduceOp.AVG``): NCCL does, gloo not."""
-    return dist.get_backend(group) == "nccl"
+_AVERAGING: dict[tuple[int, str], tuple[ProcessGroup, frozenset[str]]] = {}
+"""Per ``(id(group), device type)``: the group (held, so that its id is not reused) and the reductions
+:func:`probe_averaging` found averaging in the reduction."""
+
+AVERAGED = ("all_reduce", "reduce_scatter", "reduce")
+
+
+def probe_averaging(group: ProcessGroup | None, device: torch.device) -> frozenset[str]:
+    """Which of :data:`AVERAGED` ``group`` runs with ``ReduceOp.AVG`` on ``device`` tensors, found by trying each
+    on a tiny tensor (Note [averaging]): a backend is taken for what it does, not for its name. Every rank of
+    ``group`` must call this at the same point (set-up does, for each group it averages over); one reduction that
+    raises, or averages wrongly, is then not used with ``AVG``. The result is kept for :func:`supports_average`."""
+    if group is None:
+        return frozenset(AVERAGED)
+    key = (id(group), torch.device(device).type)
+    if key in _AVERAGING:
+        return _AVERAGING[key][1]
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    mean = (world + 1) / 2  # rank r contributes r + 1
+    root = dist.get_global_rank(group, 0)
+    calls = {
+        "all_reduce": lambda t, out: (lambda a: dist.all_reduce(t, op=dist.ReduceOp.AVG, group=group, async_op=a),
+                                      t[:1]),
+        "reduce_scatter": lambda t, out: (lambda a: _reduce_scatter_single(out, t, op=dist.ReduceOp.AVG, group=group,
+                                                                           async_op=a), out),
+        "reduce": lambda t, out: (lambda a: dist.reduce(t, dst=root, op=dist.ReduceOp.AVG, group=group, async_op=a),
+                                  t[:1] if rank == 0 else None),
+    }
+    failed = torch.zeros(len(AVERAGED), device=device)
+    for i, name in enumerate(AVERAGED):
+        tensor = torch.full((world,), float(rank + 1), device=device)
+        call, result = calls[name](tensor, torch.empty(1, device=device))
+        try:
+            _issue(group, call, False)
+            if result is not None and abs(float(result[0]) - mean) > 1e-6 * mean:
+                failed[i] = 1
+        except (RuntimeError, ValueError, NotImplementedError):  # the backend refuses AVG for this reduction
+            failed[i] = 1
+    _issue(group, lambda a: dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group, async_op=a), False)
+    found = frozenset(name for name, bad in zip(AVERAGED, failed.tolist()) if bad == 0)
+    _AVERAGING[key] = (group, found)
+    return found
+
+
+def supports_average(group: ProcessGroup, op: str = "reduce_scatter", device: torch.device | str = "cpu") -> bool:
+    """Whether ``group`` averages ``op`` (one of :data:`AVERAGED`) in the reduction, as :func:`probe_averaging` found
+    for ``device`` tensors; a group never probed sums, and :meth:`Collective.wait` divides (always correct)."""
+    return op in _AVERAGING.get((id(group), torch.device(device).type), (None, ()))[1]
 
 
 def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,
@@ -127,7 +176,7 @@ def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, asyn
         return Collective(bucket, None)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = bucket.chunk(world)[rank]
-    in_reduction = average and supports_average(group)
+    in_reduction = average and supports_average(group, "reduce_scatter", bucket.device)
     op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
     work = _issue(group, lambda a: _reduce_scatter_single(shard, bucket, op=op, group=group, async_op=a), async_op)
     result = Collective(shard, work if async_op else None,
@@ -142,7 +191,7 @@ def all_reduce_bucket(tensor: torch.Tensor, group: ProcessGroup | None, async_op
     """Sums (with ``average``, averages; Note [averaging]) ``tensor`` over ``group`` in place."""
     if group is None:
         return Collective(tensor, None)
-    in_reduction = average and supports_average(group)
+    in_reduction = average and supports_average(group, "all_reduce", tensor.device)
     op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
     work = _issue(group, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a), async_op)
     result = Collective(tensor, work if async_op else None,
@@ -208,7 +257,7 @@ def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], g
         return Collective(mine, None)
     if _even(ranges) and ranges[-1][1] == tensor.numel():
         return reduce_scatter_bucket(tensor, group, async_op, average)
-    in_reduction = average and supports_average(group)
+    in_reduction = average and supports_average(group, "reduce", tensor.device)
     op = dist.ReduceOp.AVG if in_reduction else dist.ReduceOp.SUM
     works = [_issue(group, lambda a, c=tensor[b:e], d=dist.get_global_rank(group, r):
                     dist.reduce(c, dst=d, op=op, group=group, async_op=a), async_op)

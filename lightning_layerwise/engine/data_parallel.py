@@ -42,6 +42,20 @@ Note [replica check]
     state right after it (a faulty transfer, a rank-local write after it, a
     frozen parameter that differs: frozen parameters are never re-sent).
 
+Note [conditional experts]
+    All-gathers are dispatched lazily, in bucket order, by the forward pre-hooks of the
+    modules that hold the buckets, and a rank waits for a bucket before its module runs.
+    A mixture of experts calls an expert only where its tokens reach it
+    (``examples/moe.py``, Hugging Face's MoE blocks), so ranks run different pre-hooks; a
+    rank that skipped its last experts can then enter the layer's own collective (the
+    token all-to-all) without having issued the gathers another rank waits for in an
+    expert's pre-hook, and each waits for the other. So the buckets of a marked expert
+    container (``llw.mark_experts``) are gathered by the pre-hook of the layer holding it,
+    which runs on every rank: every rank issues the same gathers at the same point of the
+    forward. Unmarked experts keep their own pre-hooks (every module must then run on
+    every rank, as under FSDP); sharded parameters require the mark (Note [sharded
+    experts] in ``engine/sharded.py``).
+
 Note [fixed module]
     The layout is planned once, from the parameters the module has when it is
     wrapped. Every training forward checks, before any collective of the step,
@@ -254,6 +268,10 @@ class LayerwiseDataParallel(nn.Module):
         self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
         if not self.shard_parameters:
             self._broadcast_from_rank0()
+        # Which groups average in the reduction, tried on each once (Note [averaging] in engine/collectives.py).
+        averaged = {id(g): g for b in self._buckets for g in (b.group, b.replica_group) if g is not None}
+        for group in averaged.values():
+            collectives.probe_averaging(group, self._flat_buffers[0].grads.device)
         self._waiter = Waiter(self.dp_rank, self.dp_size, trace)
         self._end_of_backward_queued = False
         self.grad_sync = self._gradient_side(overlap_grad_reduce)
@@ -532,12 +550,13 @@ class LayerwiseDataParallel(nn.Module):
         self._outside = [p for p in self._all_params if p not in self._param_names]  # frozen when wrapped
 
     def _register_forward_pre_hooks(self) -> list:
-        """One pre-hook per module holding parameters: its buckets are ready before it runs. With sharded
-        parameters, expert buckets are gathered by the layer that holds the experts (Note [sharded experts] in
+        """One pre-hook per module holding parameters: its buckets are ready before it runs. The buckets of marked
+        experts (``llw.mark_experts``) are gathered by the layer that holds them, which runs on every rank whichever
+        experts its tokens reach (Note [conditional experts]; with sharded parameters Note [sharded experts] in
         ``engine/sharded.py``)."""
         handles = []
         order = {id(b): i for i, b in enumerate(self.param_sync.gather_order)}
-        by_layer = self._expert_buckets_by_layer() if self.shard_parameters else {}
+        by_layer = self._expert_buckets_by_layer(every=self.shard_parameters)
         routed = {id(b) for buckets in by_layer.values() for b in buckets}
         for module in self.module.modules():
             own = [b for b in map(self._bucket_of.get, module.parameters(recurse=False))
@@ -546,13 +565,14 @@ class LayerwiseDataParallel(nn.Module):
             if buckets:
                 buckets.sort(key=lambda b: order[id(b)])
                 handles.append(module.register_forward_pre_hook(self.param_sync.forward_pre_hook(buckets)))
-            if module in by_layer:
+            if module in by_layer and self.shard_parameters:
                 handles.append(module.register_forward_hook(self.param_sync.before_backward_of(by_layer[module])))
         return handles
 
-    def _expert_buckets_by_layer(self) -> dict[nn.Module, list[Bucket]]:
+    def _expert_buckets_by_layer(self, every: bool) -> dict[nn.Module, list[Bucket]]:
         """The expert buckets of each layer holding a marked expert container (``llw.mark_experts``): its
-        parent, which runs on every rank whichever experts its tokens reach."""
+        parent, which runs on every rank whichever experts its tokens reach. ``every``: every expert bucket must
+        be in a marked container (sharded parameters)."""
         layers: dict[nn.Module, list[Bucket]] = {}
         for path, container in marked_containers(self.module).items():
             parent = self.module.get_submodule(path.rpartition(".")[0]) if path else self.module
@@ -560,7 +580,7 @@ class LayerwiseDataParallel(nn.Module):
             layers.setdefault(parent, []).extend(b for b in buckets.values() if b.expert)
         unmarked = sorted({b.name for b in self._buckets if b.expert}
                           - {b.name for buckets in layers.values() for b in buckets})
-        if unmarked:
+        if unmarked and every:
             raise ValueError(
                 f"shard_parameters=True with expert parameters outside a container marked with llw.mark_experts "
                 f"(buckets {unmarked[:3]}): their layer must gather them whichever experts its tokens reach. "

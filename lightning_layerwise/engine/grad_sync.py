@@ -122,7 +122,8 @@ Note [sharded gradients]
 Note [replica reduce in backward]
     With owner groups (Note [replica sharing] in ``layout/sharing.py``) a bucket's gradient
     is reduced twice: inside its owner group (a reduce-scatter), then across the groups
-    into the chunk each replica steps (Note [uneven chunks] in ``engine/collectives.py``).
+    to the replica that steps it, or into equal chunks (Note [uneven chunks] in
+    ``engine/collectives.py``).
     The second used to wait for the end of the backward, all of it exposed on the slowest
     link. Now, whenever a bucket's in-group reduce-scatter is dispatched, the cross-group
     reduce of every earlier bucket with chunks is issued, behind that bucket's own

@@ -15,9 +15,9 @@ Note [owner groups]
     of ``g``, and gradients are reduce-scattered and parameters all-gathered inside
     the group, as HSDP does. The ``replica`` group (the ranks at the same position
     in every owner group) holds the same shards and shares their stepping (Note
-    [replica sharing] in ``layout.py``): each shard's gradient is reduce-scattered
-    across it into one chunk per replica, each rank steps its chunk, and the chunks
-    are all-gathered across it before the owner group's all-gather. Every matrix's
+    [replica sharing] in ``layout/sharing.py``): each shard's gradient is reduced
+    across it to the replica that steps it (or reduce-scattered into equal chunks),
+    and after the step gathered back across it before the owner group's all-gather. Every matrix's
     Newton–Schulz runs once in the world and the optimizer state is held once.
 
 Note [expert parallelism]
@@ -44,6 +44,18 @@ Note [expert owner groups]
     of each shard (Note [replica sharing] in ``layout/sharing.py``). A member's rank in the
     expert data-parallel group is then ``replica * ge + position``, the owner index of
     its expert pieces.
+
+Note [splitting groups]
+    ``dist.new_group`` must be called by every rank for every group, in the same order,
+    and each call is a store round-trip over the world: at 1024 ranks with owner groups
+    of 8, set-up made 265 such calls (``test_cross_group_collectives.py`` counts them).
+    Where torch has ``dist.split_group`` and the default group is bound to a device
+    (``init_process_group(..., device_id=...)``, which Lightning and ``torchrun`` scripts
+    may pass; NCCL then splits communicators with ``ncclCommSplit`` instead of building
+    each from scratch), each family of disjoint groups (the owner groups, their all-gather
+    communicators, the replica groups…) is one ``split_group`` call: 4 at that scale. gloo
+    and an unbound default group refuse splitting, and a ``backend`` other than the
+    default's cannot be split from it; those keep one ``new_group`` per group.
 """
 
 from __future__ import annotations
@@ -203,24 +215,16 @@ class ProcessGroups:
             raise ValueError(f"expert_owner_group_size={expert_owner_group_size!r} does not divide the {D} expert "
                              f"data-parallel ranks; pass a divisor of {D}, or None for one group.")
         kwargs = {"backend": backend, "timeout": timeout}
-        dp = dist.new_group(list(range(world)), **kwargs)
+        everyone = [list(range(world))]
+        dp = _partition(everyone, rank, kwargs)
         experts = cls._expert_groups(world, rank, E, separate_all_gather, kwargs, ge) if E > 1 else {}
         if g == world:
-            all_gather = dist.new_group(list(range(world)), **kwargs) if separate_all_gather else dp
+            all_gather = _partition(everyone, rank, kwargs) if separate_all_gather else dp
             return cls(dp=dp, dp_all_gather=all_gather, **experts)
-        # Every rank takes part in creating every group (torch requires it), keeping its own.
-        owner = replica = all_gather = None
-        for k in range(world // g):
-            ranks = list(range(k * g, (k + 1) * g))
-            group = dist.new_group(ranks, **kwargs)
-            gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
-            if rank in ranks:
-                owner, all_gather = group, gather
-        for i in range(g):
-            ranks = list(range(i, world, g))
-            group = dist.new_group(ranks, **kwargs)
-            if rank in ranks:
-                replica = group
+        owners = [list(range(k * g, (k + 1) * g)) for k in range(world // g)]
+        owner = _partition(owners, rank, kwargs)
+        all_gather = _partition(owners, rank, kwargs) if separate_all_gather else owner
+        replica = _partition([list(range(i, world, g)) for i in range(g)], rank, kwargs)
         return cls(dp=dp, dp_all_gather=all_gather, owner=owner, replica=replica, **experts)
 
     @staticmethod
@@ -230,34 +234,43 @@ class ProcessGroups:
         ``ge`` (Note [expert owner groups]). Every rank takes part in creating every group.
         """
         out: dict = {}
-        for k in range(world // E):
-            ranks = list(range(k * E, (k + 1) * E))
-            group = dist.new_group(ranks, **kwargs)
-            if rank in ranks:
-                out["expert_parallel"] = group
-        for i in range(E):
-            ranks = list(range(i, world, E))
-            group = dist.new_group(ranks, **kwargs)
-            gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
-            if rank in ranks:
-                out["expert_dp"], out["expert_dp_all_gather"] = group, gather
+        out["expert_parallel"] = _partition([list(range(k * E, (k + 1) * E)) for k in range(world // E)], rank,
+                                            kwargs)
+        strided = [list(range(i, world, E)) for i in range(E)]
+        out["expert_dp"] = _partition(strided, rank, kwargs)
+        out["expert_dp_all_gather"] = _partition(strided, rank, kwargs) if separate_all_gather else out["expert_dp"]
         D = world // E
         if ge == D:
             return out
-        for i in range(E):
-            members = list(range(i, world, E))
-            for k in range(D // ge):
-                ranks = members[k * ge:(k + 1) * ge]
-                group = dist.new_group(ranks, **kwargs)
-                gather = dist.new_group(ranks, **kwargs) if separate_all_gather else group
-                if rank in ranks:
-                    out["expert_owner"], out["expert_owner_all_gather"] = group, gather
-            for j in range(ge):
-                ranks = members[j::ge]
-                group = dist.new_group(ranks, **kwargs)
-                if rank in ranks:
-                    out["expert_replica"] = group
+        owners = [members[k * ge:(k + 1) * ge] for members in strided for k in range(D // ge)]
+        out["expert_owner"] = _partition(owners, rank, kwargs)
+        out["expert_owner_all_gather"] = (_partition(owners, rank, kwargs) if separate_all_gather
+                                          else out["expert_owner"])
+        out["expert_replica"] = _partition([members[j::ge] for members in strided for j in range(ge)], rank, kwargs)
         return out
+
+
+def can_split(kwargs: dict) -> bool:
+    """Whether groups can be split from the default group (Note [splitting groups]): torch has
+    ``dist.split_group``, the default group is bound to a device (``init_process_group(device_id=...)``) and no
+    other backend is asked for."""
+    default = dist.group.WORLD
+    return (hasattr(dist, "split_group") and kwargs.get("backend") is None
+            and getattr(default, "bound_device_id", None) is not None)
+
+
+def _partition(parts: list[list[int]], rank: int, kwargs: dict) -> dist.ProcessGroup | None:
+    """The group of ``parts`` (disjoint lists of ranks) that holds ``rank`` (Note [splitting groups]): one
+    ``split_group`` call where :func:`can_split`, else one ``new_group`` per part, every rank taking part in
+    creating every group (torch requires it)."""
+    if can_split(kwargs):
+        return dist.split_group(split_ranks=parts, timeout=kwargs.get("timeout"))
+    mine = None
+    for ranks in parts:
+        group = dist.new_group(ranks, **kwargs)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 @dataclass(frozen=True)

@@ -7,17 +7,17 @@ Note [choosing the owner group size]
     of the model per rank and Newton–Schulz runs once per matrix for every ``g``.
     What ``g`` still decides is padding and where the traffic goes: the buffers
     are planned for ``g`` ranks (whole matrices pad once a size class has fewer
-    than ``g``), the even reduce-scatter and all-gather run inside the group, and
-    the uneven ones across the ``dp / g`` replicas. So the planner takes the
+    than ``g``), the reduce-scatter and all-gather run inside the group, and the
+    rooted reduces and broadcasts across the ``dp / g`` replicas. So the planner takes the
     largest ``g`` that divides the ranks per node (the in-group collectives stay on
-    the node's fast links, and fewer replicas mean fewer pieces in the uneven
-    collectives) whose buffers exceed the unpadded parameters by at most
+    the node's fast links, and fewer replicas mean shorter rooted pipelines across
+    nodes) whose buffers exceed the unpadded parameters by at most
     :data:`PADDING_TOLERANCE`, trying sizes from the largest down; if none does,
     the one whose busiest rank holds the fewest bytes (:func:`estimated_rank_bytes`:
     buffers with padding plus that rank's optimizer state). On one node
     (``dp <= ranks_per_node``) it keeps one group. ``ranks_per_node=None`` assumes
     :data:`DEFAULT_RANKS_PER_NODE`. With one rank per node no group can stay inside a
-    node, and a group of one would make every collective an uneven one across the
+    node, and a group of one would make every collective a rooted one across the
     replicas, so one group of all ranks is tried first there, then groups of one.
     Expert parameters (``kind="expert"``, with
     ``expert_dp``) are planned inside their expert data-parallel group whatever ``g``

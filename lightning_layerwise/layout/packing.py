@@ -10,7 +10,10 @@ Note [size matching]
     the number of blocks. A shard that finds no peer is filled greedily with
     smaller parameters that fit (next in backward order first), and only what
     is left is padding. Note [leftovers] decides which parameters may be peers
-    and which are kept for filling.
+    and which are kept for filling. When ``R > 1`` owner groups share the
+    stepping, each round is a bucket of its own, whatever ``bucket_size`` says:
+    one replica steps each shard whole (Note [replica sharing] in
+    ``layout/sharing.py``), so shards must stay as fine as rounds.
 
 Note [leftovers]
     Backward-order filling alone strands parameters: when a large seed's round
@@ -93,7 +96,9 @@ Note [element-wise fill]
        that no bucket's gradients complete later than without it.
     2. *Flat buckets*: the rest are laid back to back in backward order (each on a
        64-element boundary) into buckets of ``bucket_size`` elements, rounded up to
-       a multiple of ``dp * 64`` and split into ``dp`` equal shards, as a ZeRO-1
+       a multiple of ``dp * 64`` (of ``dp * lcm(64, 16 R)`` when ``R`` owner groups
+       share the stepping: equal chunks, Note [replica sharing] in ``layout/sharing.py``)
+       and split into ``dp`` equal shards, as a ZeRO-1
        optimizer splits its buffer. A parameter crossing a shard boundary is split:
        its :class:`Piece` on each rank is the part inside that rank's shard, and
        that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
@@ -106,7 +111,7 @@ Note [element-wise fill]
     owner's shard, and a parameter that is not element-wise never crosses a shard
     boundary. Padding left: what whole parameters leave that no element-wise
     parameter fits, plus alignment (at most 63 elements per parameter and
-    ``dp * 64`` per flat bucket). An element-wise parameter's cost is its element
+    ``dp * lcm(64, 16 R)`` per flat bucket). An element-wise parameter's cost is its element
     count whatever ``cost`` says (a piece costs its share). The flat buckets keep
     backward order among themselves but follow all whole buckets in the buffer;
     the wrapper orders collectives by each bucket's first parameter, so that only
@@ -126,6 +131,7 @@ import bisect
 import contextlib
 import gc
 import heapq
+import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -230,11 +236,12 @@ def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callab
     slots: dict[str, ParamSlot] = {}
     rank_costs: dict[int, list[float]] = {}  # per group size, carried across buffers (Note [owner balancing])
     for buffer_index, ((dtype, kind), members) in enumerate(groups.items()):
-        ranks = expert_dp if kind == "expert" and expert_dp is not None else dp
+        expert_family = kind == "expert" and expert_dp is not None
+        ranks = expert_dp if expert_family else dp
         queue = list(reversed(members))  # backward order
         rank_cost = rank_costs.get(ranks, [0.0] * ranks)
-        buckets, located, pieces, rank_costs[ranks] = _plan_buffer_with_fill(queue, ranks, bucket_size, costs,
-                                                                             rank_cost)
+        buckets, located, pieces, rank_costs[ranks] = _plan_buffer_with_fill(
+            queue, ranks, bucket_size, costs, rank_cost, expert_replicas if expert_family else replicas)
         by_name = {s.name: s for s in members}
         for name, (bucket_index, offset) in located.items():
             slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, pieces[name])
@@ -248,10 +255,12 @@ def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callab
 
 
 def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
-                           rank_cost: list[float]):
+                           rank_cost: list[float], replicas: int = 1):
     """One buffer (``queue`` in backward order): whole parameters packed, element-wise ones poured
     into the gaps and the rest in flat buckets (Note [element-wise fill]). Returns the buckets, per
-    name ``(bucket, offset)`` and pieces, and the rank costs after this buffer.
+    name ``(bucket, offset)`` and pieces, and the rank costs after this buffer. ``replicas``: the owner
+    groups that will share the buffer's stepping (Note [replica sharing] in ``layout/sharing.py``), so that
+    each flat shard splits into that many equal aligned chunks.
 
     Packing the element-wise parameters whole, as peers and fill of the rounds, sometimes pads
     less (an embedding as large as the MLP matrices is their peer); both are planned and the one
@@ -259,14 +268,18 @@ def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, co
     """
     def plan(whole: list[ParamSpec], elementwise: list[ParamSpec]):
         cost = list(rank_cost)
-        buckets, placed, cost = _plan_buffer(whole, dp, bucket_size, costs, cost) if whole else ([], {}, cost)
+        # Shared among owner groups, each round of whole parameters is a bucket of its own: a shard is then
+        # stepped whole by one replica (Note [replica sharing] in layout/sharing.py) and holds one round's share.
+        rounds_size = 1 if replicas > 1 else bucket_size
+        buckets, placed, cost = _plan_buffer(whole, dp, rounds_size, costs, cost) if whole else ([], {}, cost)
         numel = {s.name: s.numel for s in queue}
         pieces = {name: (Piece(owner, 0, numel[name]),) for name, (_, _, owner) in placed.items()}
         located = {name: (bucket, offset) for name, (bucket, offset, _) in placed.items()}
         if elementwise:
             buckets, rest = _pour(buckets, elementwise, queue, located, pieces, cost, costs)
             start = buckets[-1].end if buckets else 0
-            buckets = buckets + _plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs)
+            buckets = buckets + _plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs,
+                                           replicas)
         return buckets, located, pieces, cost
 
     elementwise = [s for s in queue if s.elementwise]
@@ -337,9 +350,12 @@ def _pour(buckets: list[BucketPlan], elementwise: list[ParamSpec], queue: list[P
 
 def _plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, first_index: int,
                located: dict[str, tuple[int, int]], pieces: dict[str, tuple[Piece, ...]], rank_cost: list[float],
-               costs: Mapping[str, float]) -> list[BucketPlan]:
+               costs: Mapping[str, float], replicas: int = 1) -> list[BucketPlan]:
     """Element-wise parameters packed back to back, in backward order, into buckets split into
-    ``dp`` equal shards; a parameter crossing a shard boundary is stepped in pieces.
+    ``dp`` equal shards; a parameter crossing a shard boundary is stepped in pieces. With ``replicas`` owner
+    groups sharing the stepping, a shard is rounded up to a multiple of ``replicas * 16`` elements too, so that it
+    cuts into ``replicas`` equal chunks aligned to :data:`CHUNK_ALIGNMENT` (Note [replica sharing] in
+    ``layout/sharing.py``).
     See Note [element-wise fill]."""
     buckets: list[BucketPlan] = []
     members: list[ParamSpec] = []
@@ -347,7 +363,7 @@ def _plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, fi
 
     def close() -> None:
         nonlocal bucket_start
-        length = aligned(cursor - bucket_start, dp * ALIGNMENT)
+        length = aligned(cursor - bucket_start, dp * math.lcm(ALIGNMENT, replicas * CHUNK_ALIGNMENT))
         shard = length // dp
         for spec in members:
             offset = located[spec.name][1]
@@ -418,6 +434,10 @@ def _search(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[st
 
 
 _MAX_SOLO_SEEDS = 8
+
+CHUNK_ALIGNMENT = 16
+"""Elements a flat shard's equal chunks are aligned to across owner groups (64 bytes of fp32, 32 of bf16): smaller
+than :data:`ALIGNMENT`, so that the rounding, sent across the groups as padding, stays small at many replicas."""
 
 
 def _fill_fits(sizes: list[int], count: Mapping[int, int], fill: Mapping[int, int], dp: int) -> bool:

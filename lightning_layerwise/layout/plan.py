@@ -151,9 +151,9 @@ class BucketPlan:
     """Names of the parameters in this bucket, by offset."""
     chunks: tuple[tuple[tuple[int, int], ...], ...] = ()
     """With replica sharing (Note [replica sharing] in ``layout/sharing.py``): per shard position, ``(replica, offset)``
-    for each
-    replica whose chunk is not empty, by offset from the shard's start (the first at 0); a chunk ends
-    where the next begins, the last at the shard's end. Empty without replica sharing."""
+    for each replica whose chunk is not empty, by offset from the shard's start (the first at 0); a chunk ends
+    where the next begins, the last at the shard's end. A shard of padding only has none. Empty without replica
+    sharing."""
     replicas: int = 1
 
     @property

@@ -1,45 +1,60 @@
 """Owner groups sharing the stepping of each shard: :func:`share_among_replicas`
-(Note [replica sharing] on that function).
-
-Note [replica sharing]
+(Note [replica sharing]
     With ``dp = g * R`` ranks in ``R`` owner groups of ``g``, the layout is planned
     for ``g`` ranks (Note [owner groups] in ``engine/process_groups.py``) and the ranks at
     position ``p`` of every group (its *replicas*) hold the same shard ``p`` of every
     bucket. Each such shard is cut into ``R`` consecutive *chunks*, chunk ``k``
     stepped by replica ``k`` alone (world rank ``k * g + p``): its reduced gradient
-    is reduce-scattered to it across the replicas, it runs the optimizer on the
-    chunk only (Newton–Schulz once per matrix in the world, optimizer state once in
-    the world) and the chunks are all-gathered across the replicas before the
-    owner group all-gathers the shards. A chunk holds whole parameters that are
-    not element-wise (Muon matrices) and any part of element-wise ones:
+    is reduced to it across the replicas, it runs the optimizer on the chunk only
+    (Newton–Schulz once per matrix in the world, optimizer state once in the world)
+    and the chunks are gathered across the replicas before the owner group
+    all-gathers the shards. Two kinds of cut, each two operations per bucket across
+    the groups, both of kinds NCCL runs as one collective (Note [uneven chunks] in
+    ``engine/collectives.py``):
 
-    * a shard holding only element-wise elements (the flat buckets) keeps its
-      order and is cut where the water level of the optimizer state each replica
-      already holds asks (water-filling; an element-wise element counts
-      :data:`ELEMENTWISE_STATE` times a matrix element), parameters crossing a cut
-      being stepped in pieces;
-    * a shard of whole parameters is reordered: matrices go to replicas by
-      longest processing time first on their Newton–Schulz cost, over all the
-      buckets of a position at once, then improved by moves and swaps while the
-      busiest replica is above the bound (:func:`_rebalance`); element-wise ones
-      whole, to the replica holding the least state; and each replica's parameters
-      are then laid out consecutively in the shard (offsets within a shard are
-      free: nothing else depends on them);
-    * anything else (a custom layout mixing pieces and matrices in one shard) goes
-      whole to the least loaded replica.
+    * a shard holding only element-wise elements (the flat buckets) is cut into
+      ``R`` *equal* chunks, parameters crossing a cut being stepped in pieces: one
+      ``reduce_scatter_tensor`` and one ``all_gather_into_tensor``. The planner rounds
+      flat shards to a multiple of ``16 R`` elements for it (Note [element-wise fill] in
+      ``layout/packing.py``), so the chunks are equal and aligned; the rare element-wise shard of
+      a whole-parameter bucket whose length ``R`` does not divide is stepped whole, as
+      below;
+    * any other shard (at scale almost always one matrix) is stepped *whole* by one
+      replica, chosen by longest processing time first over all the buckets of a
+      position (the cost of its matrices; its element-wise parts break ties by their
+      optimizer state), improved by moves and swaps while the busiest replica is above the bound
+      (:func:`_rebalance`): one rooted ``reduce`` to that replica and one ``broadcast``
+      from it. Then consecutive shards of a position get different replicas where a
+      swap with an identical shard allows (:func:`_rotate`), which changes no load. So
+      that shards stay fine-grained, the planner makes each round of whole parameters a
+      bucket of its own when ``R > 1`` (Note [size matching] in ``layout/packing.py``):
+      a shard then holds one round's share, at scale one matrix. Where the busiest
+      replica of a position stays above :data:`SPLIT_ABOVE` times the bound and holds a
+      shard of several whole parameters, that shard is split: its parameters are
+      balanced one by one and laid out again, each replica's consecutively, so a chunk
+      is still one range (two operations per replica that steps some of it; on the
+      published models of ``benchmarks/layout_scale.py`` only DeepSeek-V3 at 1024 ranks
+      splits any, 6 shards);
+    * a shard of padding only has no chunk: nothing is sent for it.
 
-    Chunks tile the shard; they may differ in length and be empty, so the
-    collectives across replicas are the uneven forms (``collectives.py``). Buffers,
-    buckets and shards are the owner group's, so padding and the in-group
-    collectives are unchanged. Pure and deterministic: every rank computes the same.
+    Only a split shard moves parameters inside it; buckets, shards and every other
+    offset are the owner group's plan, so the in-group collectives are those of ``g``
+    ranks. Pure and deterministic: every rank computes the same.
+
+    Stepping whole shards instead of single matrices trades balance for operations:
+    a shard holding several small matrices is stepped by one replica (two
+    operations) where spreading its matrices over ``k`` replicas cost ``2 k``. At
+    scale a shard is one matrix and nothing is traded (``benchmarks/layout_scale.py``
+    checks the Newton–Schulz balance on published models).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import defaultdict
 from types import MappingProxyType
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from .plan import BucketPlan, BufferPlan, Layout, ParamSlot, ParamSpec, Piece, aligned
 
@@ -63,7 +78,6 @@ def share_among_replicas(layout: Layout, specs: Sequence[ParamSpec], replicas: i
     if layout.replicas != 1 or layout.expert_replicas != 1:
         raise ValueError(f"the layout is already shared among {layout.replicas} replicas.")
     elementwise = {s.name: s.elementwise for s in specs}
-    numel = {s.name: s.numel for s in specs}
     offsets: dict[str, int] = {}
     world_pieces: dict[str, list[Piece]] = defaultdict(list)
     experts = [plan for plan in layout.buffers if plan.kind == "expert" and expert_groups]
@@ -72,7 +86,7 @@ def share_among_replicas(layout: Layout, specs: Sequence[ParamSpec], replicas: i
     families = ((dense, layout.group_size, replicas), (experts, experts[0].shards if experts else 1, expert_replicas))
     for plans, g, count in families:
         if plans and count > 1:
-            shared.update(_share_family(layout, plans, g, count, elementwise, numel, offsets, world_pieces))
+            shared.update(_share_family(layout, plans, g, count, elementwise, offsets, world_pieces))
     params = {}
     for name, slot in layout.params.items():
         if name in world_pieces:
@@ -85,13 +99,13 @@ def share_among_replicas(layout: Layout, specs: Sequence[ParamSpec], replicas: i
 
 
 def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int, elementwise: Mapping[str, bool],
-                  numel: Mapping[str, int], offsets: dict[str, int], world_pieces: dict[str, list[Piece]]
-                  ) -> dict[int, BufferPlan]:
+                  offsets: dict[str, int], world_pieces: dict[str, list[Piece]]) -> dict[int, BufferPlan]:
     """The buffers ``plans`` (all planned for ``g`` ranks) shared among ``replicas`` (Note [replica sharing]);
-    records the new offsets and the pieces, whose owners are ``replica * g + position``."""
-    # Per shard: its (name, slot, piece) items and how it is cut ("cut", "reorder" or "one").
-    shards: dict[tuple[int, int], list[tuple[list[tuple[str, ParamSlot, Piece]], str]]] = {}
-    matrices: list[list[tuple[float, int, int, int, str]]] = [[] for _ in range(g)]
+    records the new offsets of split shards' parameters and the pieces, whose owners are
+    ``replica * g + position``."""
+    # Per shard (buffer, bucket, position): "empty", "even" (element-wise only, cut into equal chunks) or
+    # "whole" (stepped by one replica, unless the balancing below splits it into its parameters).
+    shards: dict[tuple[int, int, int], tuple[str, list[tuple[str, ParamSlot, Piece]]]] = {}
     for plan in plans:
         for bp in plan.buckets:
             by_position: list[list[tuple[str, ParamSlot, Piece]]] = [[] for _ in range(g)]
@@ -99,57 +113,160 @@ def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int
                 slot = layout.params[name]
                 for piece in slot.pieces:
                     by_position[piece.owner].append((name, slot, piece))
-            described = []
             for p, items in enumerate(by_position):
-                whole = [n for n, _, _ in items if not elementwise.get(n, False)]
-                if not whole:
-                    mode = "cut"
-                elif all(piece.start == 0 and piece.stop == numel[n] for n, _, piece in items):
-                    mode = "reorder"  # matrices first, each position over its replicas, below
-                    matrices[p] += [(-layout.costs[n], -numel[n], slot.buffer, slot.offset, n)
-                                    for n, slot, _ in items if not elementwise.get(n, False)]
+                if not items:
+                    mode = "empty"
+                elif all(elementwise.get(n, False) for n, _, _ in items) and bp.shard_size % replicas == 0:
+                    mode = "even"
                 else:
-                    mode = "one"
-                described.append((items, mode))
-            shards[plan.index, bp.index] = described
-    # Matrices by longest processing time first over all buckets, then improved by moves and swaps.
-    acc_cost = [[0.0] * replicas for _ in range(g)]
-    acc_numel = [[0] * replicas for _ in range(g)]
-    replica_of: dict[str, int] = {}
-    total = sum(-job[0] for jobs in matrices for job in jobs)
-    floor = max([total / (g * replicas)] + [-job[0] for jobs in matrices for job in jobs])
-    for p, jobs in enumerate(matrices):
-        heap = [(0.0, 0, k) for k in range(replicas)]
-        bins: list[list[tuple[float, int, str]]] = [[] for _ in range(replicas)]
-        for negative_cost, negative_numel, _, _, name in sorted(jobs):
-            cost, count, k = heapq.heappop(heap)
-            bins[k].append((-negative_cost, -negative_numel, name))
-            heapq.heappush(heap, (cost - negative_cost, count - negative_numel, k))
-        for cost, count, k in heap:
-            acc_cost[p][k], acc_numel[p][k] = cost, count
-        _rebalance(bins, acc_cost[p], acc_numel[p], floor)
-        for k, jobs_k in enumerate(bins):
-            for _, _, name in jobs_k:
-                replica_of[name] = k
+                    mode = "whole"
+                shards[plan.index, bp.index, p] = (mode, items)
+
+    def job(key: tuple[int, int, int], items: list[tuple[str, ParamSlot, Piece]], name: str = "") -> _Job:
+        # Balanced on the matrices' cost alone (the planner's cost function, e.g. Newton–Schulz flops or seconds):
+        # an element-wise parameter's cost is its element count, another unit (Note [element-wise fill] in
+        # layout/packing.py); it counts in the state, the second key.
+        cost = sum(layout.costs[n] for n, _, _ in items if not elementwise.get(n, False))
+        state = sum(piece.numel * (ELEMENTWISE_STATE if elementwise.get(n, False) else 1) for n, slot, piece in items)
+        return cost, state, (*key, name)
+
+    whole = [[(key, items) for key, (mode, items) in shards.items() if mode == "whole" and key[2] == p]
+             for p in range(g)]
+    every = [job(key, [item]) for position in whole for key, items in position for item in items]
+    total = sum(j[0] for j in every)
+    floor = max([total / (g * replicas)] + [j[0] for j in every])  # no placement of whole matrices goes below
+    replica_of: dict[tuple, int] = {}
+    split: set[tuple[int, int, int]] = set()
+    for position in whole:
+        replica_of.update(_assign_position(position, job, replicas, floor, split))
     out = {}
     for plan in plans:
         buckets = []
         for bp in plan.buckets:
-            cuts = tuple(_share_shard(items, mode, bp.shard_range(p), p, g, replicas, elementwise, layout.costs,
-                                      replica_of, acc_cost[p], acc_numel[p], offsets, world_pieces)
-                         for p, (items, mode) in enumerate(shards[plan.index, bp.index]))
+            cuts = []
+            for p in range(g):
+                mode, items = shards[plan.index, bp.index, p]
+                lo = bp.shard_range(p)[0]
+                if mode == "empty":  # padding only: nothing to step, nothing to send
+                    cuts.append(())
+                elif (plan.index, bp.index, p) in split:
+                    cuts.append(_relay(items, {n: replica_of[plan.index, bp.index, p, n] for n, _, _ in items}, lo,
+                                       p, g, offsets, world_pieces))
+                elif mode == "whole":
+                    k = replica_of[plan.index, bp.index, p, ""]
+                    for name, _, piece in items:
+                        world_pieces[name].append(Piece(k * g + p, piece.start, piece.stop))
+                    cuts.append(((k, 0),))
+                else:
+                    cuts.append(_cut_evenly(items, lo, bp.shard_size // replicas, replicas, p, g, world_pieces))
             params = tuple(sorted(bp.params, key=lambda n: offsets.get(n, layout.params[n].offset)))
-            buckets.append(BucketPlan(bp.index, bp.start, bp.end, bp.shards, params, cuts, replicas))
+            buckets.append(BucketPlan(bp.index, bp.start, bp.end, bp.shards, params, tuple(cuts), replicas))
         out[plan.index] = BufferPlan(plan.index, plan.dtype, plan.kind, plan.numel, tuple(buckets), plan.shards)
     return out
 
 
+_Job = tuple  # (cost, state, (buffer, bucket, position, name)): a shard ("" as name) or one of its parameters
+
+SPLIT_ABOVE = 1.05
+"""A position's busiest replica above this many times the bound (Note [replica sharing]) splits its costliest shard
+of several parameters into those parameters, each stepped by the replica the balancing gives it."""
+
+
+def _assign_position(position: list[tuple[tuple[int, int, int], list]], job: Callable, replicas: int, floor: float,
+                     split: set[tuple[int, int, int]]) -> dict[tuple, int]:
+    """Replicas for one position's whole shards (Note [replica sharing]): longest processing time first, moves
+    and swaps (:func:`_rebalance`), shards of several parameters split one at a time while the busiest replica
+    stays above :data:`SPLIT_ABOVE` times ``floor`` and holds one, then :func:`_rotate`. Adds the split shards'
+    keys to ``split``; returns the replica of every job key."""
+    divisible = {key: items for key, items in position
+                 if len(items) > 1 and all(piece.start == 0 and piece.stop == slot.numel for _, slot, piece in items)}
+    mine: set[tuple[int, int, int]] = set()
+    while True:
+        jobs = [j for key, items in position
+                for j in ([job(key, [item], item[0]) for item in items] if key in mine else [job(key, items)])]
+        heap = [(0.0, 0, k) for k in range(replicas)]
+        bins: list[list[_Job]] = [[] for _ in range(replicas)]
+        for j in sorted(jobs, key=lambda j: (-j[0], -j[1], j[2])):
+            cost, state, k = heapq.heappop(heap)
+            bins[k].append(j)
+            heapq.heappush(heap, (cost + j[0], state + j[1], k))
+        loads, states = [0.0] * replicas, [0] * replicas
+        for cost, state, k in heap:
+            loads[k], states[k] = cost, state
+        _rebalance(bins, loads, states, floor)
+        busiest = max(range(replicas), key=lambda k: (loads[k], k))
+        candidates = [j for j in bins[busiest] if j[2][3] == "" and j[2][:3] in divisible]
+        if loads[busiest] <= SPLIT_ABOVE * floor or not candidates:
+            break
+        mine.add(max(candidates, key=lambda j: (j[0], j[2]))[2][:3])
+    split |= mine
+    replica_of = {j[2]: k for k, bin_k in enumerate(bins) for j in bin_k}
+    _rotate(sorted((j for j in jobs if j[2][3] == ""), key=lambda j: j[2]), replica_of)
+    return replica_of
+
+
+def _relay(items: list[tuple[str, ParamSlot, Piece]], replica: Mapping[str, int], lo: int, position: int, g: int,
+           offsets: dict[str, int], world_pieces: dict[str, list[Piece]]) -> tuple[tuple[int, int], ...]:
+    """A split shard starting at buffer offset ``lo``: its parameters laid out again, each replica's
+    consecutively, in replica order; returns ``(replica, offset)`` per replica stepping some of them."""
+    starts, cursor = [], lo
+    for k in sorted(set(replica.values())):
+        starts.append((k, cursor - lo))
+        for name, slot, _ in sorted((it for it in items if replica[it[0]] == k), key=lambda it: it[1].offset):
+            offsets[name] = cursor
+            world_pieces[name].append(Piece(k * g + position, 0, slot.numel))
+            cursor += aligned(slot.numel)
+    return tuple(starts)
+
+
+def _cut_evenly(items: list[tuple[str, ParamSlot, Piece]], lo: int, chunk: int, replicas: int, position: int,
+                g: int, world_pieces: dict[str, list[Piece]]) -> tuple[tuple[int, int], ...]:
+    """An element-wise shard starting at buffer offset ``lo`` cut into ``replicas`` chunks of ``chunk`` elements,
+    its pieces cut where the chunks meet; returns every replica's ``(replica, offset)``."""
+    for name, slot, piece in items:
+        begin, end = slot.offset + piece.start, slot.offset + piece.stop
+        while begin < end:
+            k = (begin - lo) // chunk
+            stop = min(end, lo + (k + 1) * chunk)
+            world_pieces[name].append(Piece(k * g + position, begin - slot.offset, stop - slot.offset))
+            begin = stop
+    return tuple((k, k * chunk) for k in range(replicas))
+
+
+def _rotate(order: list[_Job], replica_of: dict[tuple, int], tries: int = 32) -> None:
+    """Where two consecutive shards of ``order`` (one position's whole shards, in bucket order) are stepped by
+    the same replica, swaps the second's replica with that of another shard of identical cost and state whose
+    neighbours allow it (among the ``tries`` nearest later ones, then earlier ones): every replica keeps its
+    load, and consecutive cross-group operations change root."""
+    keys = [j[2] for j in order]
+    alike: dict[tuple[float, int], list[int]] = defaultdict(list)
+    for i, j in enumerate(order):
+        alike[j[0], j[1]].append(i)
+
+    def root(i: int) -> int | None:
+        return replica_of[keys[i]] if 0 <= i < len(keys) else None
+
+    for i in range(1, len(keys)):
+        mine = root(i)
+        if mine != root(i - 1):
+            continue
+        same = alike[order[i][0], order[i][1]]
+        start = bisect.bisect_right(same, i + 1)  # later shards first, then earlier ones; never a neighbour
+        for j in same[start:start + tries] + same[max(0, start - 3 - tries):max(0, start - 3)][::-1]:
+            if abs(j - i) <= 1:
+                continue
+            theirs = root(j)
+            if theirs not in (mine, root(i + 1)) and mine not in (root(j - 1), root(j + 1)):
+                replica_of[keys[i]], replica_of[keys[j]] = theirs, mine
+                break
+
+
 def _rebalance(bins: list[list[tuple[float, int, str]]], cost: list[float], numel: list[int], floor: float,
                rounds: int = 1000) -> None:
-    """Improves a longest-processing-time assignment in place: while the busiest replica is above ``floor``
-    (no assignment can go below it), move one of its matrices to another replica, or swap it for a
-    cheaper one there, choosing the change that lowers the larger of the two loads the most. Candidates
-    are taken one per distinct cost, so a stack of identical layers stays quick."""
+    """Improves a longest-processing-time assignment of shards ``(cost, state, key)`` in place: while the busiest
+    replica is above ``floor`` (no assignment can go below it), move one of its shards to another replica, or
+    swap it for a cheaper one there, choosing the change that lowers the larger of the two loads the most.
+    Candidates are taken one per distinct cost, so a stack of identical layers stays quick."""
     replicas = len(bins)
     for _ in range(rounds):
         b = max(range(replicas), key=lambda k: (cost[k], k))
@@ -181,93 +298,3 @@ def _rebalance(bins: list[list[tuple[float, int, str]]], cost: list[float], nume
                 cost[target] += job[0]
                 numel[source] -= job[1]
                 numel[target] += job[1]
-
-
-def _water_fill(levels: Sequence[int], total: int) -> list[int]:
-    """Integer amounts adding up to ``total`` that raise the lowest ``levels`` as evenly as possible."""
-    order = sorted(range(len(levels)), key=lambda k: (levels[k], k))
-    prefix, count = 0, len(order)
-    for c in range(1, len(order) + 1):  # raise the lowest c together while they stay below the next
-        prefix += levels[order[c - 1]]
-        if c == len(order) or total + prefix <= c * levels[order[c]]:
-            count = c
-            break
-    level = (total + prefix) // count
-    amounts = [0] * len(levels)
-    for j in order[:count]:
-        amounts[j] = level - levels[j]
-    for j in order[:total - sum(amounts)]:  # the rounding remainder, lowest first
-        amounts[j] += 1
-    return amounts
-
-
-def _share_shard(items: list[tuple[str, ParamSlot, Piece]], mode: str, shard: tuple[int, int], position: int, g: int,
-                 replicas: int, elementwise: Mapping[str, bool], costs: Mapping[str, float],
-                 replica_of: Mapping[str, int], acc_cost: list[float], acc_numel: list[int], offsets: dict[str, int],
-                 world_pieces: dict[str, list[Piece]]) -> tuple[tuple[int, int], ...]:
-    """One shard cut into chunks (Note [replica sharing]): returns ``(replica, offset)`` per non-empty chunk
-    (:attr:`BucketPlan.chunks`) and records the new offsets and the world pieces."""
-    lo = shard[0]
-    if not items:
-        return ((0, 0),)
-    if len(items) == 1 and mode == "reorder" and not elementwise.get(items[0][0], False):
-        name, slot, _ = items[0]  # the common case at scale: one matrix
-        k = replica_of[name]
-        offsets[name] = lo
-        world_pieces[name].append(Piece(k * g + position, 0, items[0][2].stop))
-        return ((k, 0),)
-    if mode == "cut":
-        # Cut in place where the water level asks: pieces of element-wise parameters.
-        items = sorted(items, key=lambda it: it[1].offset + it[2].start)
-        quotas = _water_fill([a // ELEMENTWISE_STATE for a in acc_numel], sum(piece.numel for _, _, piece in items))
-        order = [k for k in range(replicas) if quotas[k]]
-        starts, stream, i = [(order[0], 0)], 0, 0
-        target = quotas[order[0]]
-        for name, slot, piece in items:
-            begin = slot.offset + piece.start
-            done = 0
-            while done < piece.numel:
-                if stream >= target:  # this replica is full: the next begins here
-                    i += 1
-                    starts.append((order[i], begin + done - lo))
-                    target += quotas[order[i]]
-                k = order[i]
-                take = min(piece.numel - done, target - stream)
-                world_pieces[name].append(Piece(k * g + position, piece.start + done, piece.start + done + take))
-                acc_numel[k] += take * ELEMENTWISE_STATE
-                acc_cost[k] += costs[name] * take / slot.numel
-                done += take
-                stream += take
-        return tuple(starts)
-    if mode == "reorder":
-        # Reorder: matrices where the longest-processing-time pass put them (their cost is counted there),
-        # element-wise parameters whole to the replica stepping the fewest elements.
-        region: dict[int, list[tuple[str, ParamSlot]]] = defaultdict(list)
-        vectors = []
-        for name, slot, _ in items:
-            if elementwise.get(name, False):
-                vectors.append((name, slot))
-            else:
-                region[replica_of[name]].append((name, slot))
-        for name, slot in sorted(vectors, key=lambda it: (-it[1].numel, it[1].offset)):
-            k = min(range(replicas), key=lambda r: (acc_numel[r], r))
-            region[k].append((name, slot))
-            acc_cost[k] += costs[name]
-            acc_numel[k] += slot.numel * ELEMENTWISE_STATE
-        starts, cursor = [], lo
-        for k in sorted(region):
-            starts.append((k, cursor - lo))
-            for name, slot in sorted(region[k], key=lambda it: it[1].offset):
-                offsets[name] = cursor
-                world_pieces[name].append(Piece(k * g + position, 0, slot.numel))
-                cursor += aligned(slot.numel)
-        if cursor > shard[1]:
-            raise AssertionError(f"replica sharing overflowed a shard by {cursor - shard[1]} elements")  # invariant
-        return tuple(starts)
-    # A shard mixing pieces and matrices (not planned here): all of it to the least loaded replica.
-    k = min(range(replicas), key=lambda r: (acc_cost[r], acc_numel[r], r))
-    for name, slot, piece in items:
-        world_pieces[name].append(Piece(k * g + position, piece.start, piece.stop))
-        acc_cost[k] += costs[name] * piece.numel / slot.numel
-        acc_numel[k] += piece.numel * (ELEMENTWISE_STATE if elementwise.get(name, False) else 1)
-    return ((k, 0),)

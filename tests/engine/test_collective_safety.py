@@ -56,8 +56,10 @@ def test_bf16_gradients_average_to_the_fp32_mean_rounded_once():
     assert torch.equal(grads[0], want), (grads[0] != want).float().mean().item()
 
 
-def test_average_in_the_reduction_where_the_backend_has_it(monkeypatch):
-    """NCCL averages in the reduction (ReduceOp.AVG); gloo reduces the sum and the wait divides."""
+def test_average_in_the_reduction_where_the_probe_found_it(monkeypatch):
+    """A group whose probe found the reduce-scatter averaging (NCCL; gloo in torch 2.13) is reduced with
+    ``ReduceOp.AVG``; one that does not, or was never probed, reduces the sum and the wait divides (Note
+    [averaging] in engine/collectives.py). The backend's name plays no part."""
 
     class FakeWork:
         def wait(self):
@@ -73,13 +75,15 @@ def test_average_in_the_reduction_where_the_backend_has_it(monkeypatch):
     monkeypatch.setattr(collectives, "_reduce_scatter_single", fake_reduce_scatter)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
-    for backend, op in (("nccl", dist.ReduceOp.AVG), ("gloo", dist.ReduceOp.SUM)):
-        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # never consulted
+    averaging, summing, unprobed = object(), object(), object()
+    monkeypatch.setitem(collectives._AVERAGING, (id(averaging), "cpu"), (averaging, frozenset({"reduce_scatter"})))
+    monkeypatch.setitem(collectives._AVERAGING, (id(summing), "cpu"), (summing, frozenset({"all_reduce"})))
+    for group, op in ((averaging, dist.ReduceOp.AVG), (summing, dist.ReduceOp.SUM), (unprobed, dist.ReduceOp.SUM)):
         bucket = torch.arange(8, dtype=torch.float32)
-        result = collectives.reduce_scatter_bucket(bucket, group=object(), average=True)
-        shard = result.wait()
+        shard = collectives.reduce_scatter_bucket(bucket, group=group, average=True).wait()
         assert calls[-1] == op
-        if backend == "gloo":
+        if op == dist.ReduceOp.SUM:
             assert torch.equal(shard, torch.arange(4, 8, dtype=torch.float32))  # 2 * x / 2
 
 

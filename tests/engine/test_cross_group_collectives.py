@@ -1,16 +1,17 @@
 """Every collective one training step issues across owner groups, recorded at 6 ranks as 3 groups of 2 and at 8 as
-4 groups of 2 (Note [uneven chunks] in ``engine/collectives.py``).
+4 groups of 2 (Note [replica sharing] in ``layout/sharing.py``, Note [uneven chunks] in ``engine/collectives.py``).
 
-The example GPT with Muon (matrices) and AdamW (the rest, element-wise fill on) in small buckets, so that some
-shards hold one matrix, some several and the flat buckets pieces of element-wise parameters. In each worker the
-collectives of ``torch.distributed`` are wrapped to record the operation, its group and its tensors' sizes for two
-optimizer steps (after the set-up's broadcasts), once with every collective up to ``LATE_MS`` late (the timing
-fuzzer). Checked against the buckets' chunks:
+The example GPT with Muon (matrices) and AdamW (the rest, element-wise fill on) in small buckets, so that there are
+shards of whole parameters and flat shards of element-wise pieces. In each worker the collectives of
+``torch.distributed`` are wrapped to record the operation, its group and its tensors' sizes for two optimizer steps
+(after the set-up's broadcasts), once with every collective up to ``LATE_MS`` late (the timing fuzzer). Checked
+against the buckets' chunks:
 
-* no list-form reduce-scatter or all-gather with unequal sizes, on any group;
-* across the owner groups, one reduce and one broadcast per non-empty chunk of this rank's shard, so two
-  operations for a shard one replica steps whole (where the list form ran one per replica);
-* the elements moved across the groups: each shard twice (reduced, then broadcast), as the list form moved them.
+* no list-form reduce-scatter or all-gather on any group;
+* across the owner groups, per bucket at most two operations: a shard one replica steps whole is one rooted reduce
+  and one broadcast, a flat shard one reduce-scatter and one all-gather of equal chunks, a padding-only shard
+  nothing;
+* the elements moved across the groups: each non-empty shard twice (reduced, then gathered), nothing more.
 
 A mutation that puts the list form back fails the first check. Parity of these steps with one process is the
 replica-sharing tests' (``test_elementwise_fill.py``, ``test_sharded_parameters.py``, ``test_trainer.py``).
@@ -84,7 +85,7 @@ def _record(log: list) -> None:
 
 
 def _list_form_chunks(tensor, ranges, group, async_op=True, average=False):
-    """The mutation: uneven chunks through the list form again."""
+    """The mutation: the chunks through the list form again (NCCL: one rooted reduce per replica)."""
     rank = dist.get_rank(group)
     mine = tensor[ranges[rank][0]:ranges[rank][1]]
     work = dist.reduce_scatter(mine, [tensor[a:b] for a, b in ranges], group=group, async_op=async_op)
@@ -104,40 +105,54 @@ def _worker(rank, world, mutation):
         session.step(optimizer)
         optimizer.zero_grad()
     session.sync_parameters()
-    chunked = [b for b in wrapped.buckets if b.chunks is not None]
-    nonempty = sum(sum(1 for a, b in bucket.chunks if b > a) for bucket in chunked)
-    one_replica = sum(1 for bucket in chunked if sum(1 for a, b in bucket.chunks if b > a) == 1)
-    shard_elements = sum(bucket.shard[1] - bucket.shard[0] for bucket in chunked)
+    # Per bucket with chunks: how its shard is cut (sizes of the non-empty chunks) and its length.
+    cuts = [([b - a for a, b in bucket.chunks if b > a], bucket.shard[1] - bucket.shard[0])
+            for bucket in wrapped.buckets if bucket.chunks is not None]
     session.release()
-    return log, nonempty, one_replica, len(chunked), shard_elements
+    return log, cuts
+
+
+def _expected_ops(sizes: list[int], replicas: int) -> dict[str, int]:
+    """The cross-group operations of one step for a shard whose non-empty chunks have ``sizes``."""
+    if not sizes:
+        return {}
+    if len(sizes) == 1:
+        return {"reduce": 1, "broadcast": 1}
+    if len(sizes) == replicas and len(set(sizes)) == 1:
+        return {"reduce_scatter_single": 1, "all_gather_single": 1}
+    return {"reduce": len(sizes), "broadcast": len(sizes)}
 
 
 @pytest.mark.parametrize("world, mutation, late", [(6, None, None), (6, None, LATE_MS), (8, None, None),
                                                   (6, "list-form", None)])
-def test_across_owner_groups_each_chunk_is_one_rooted_reduce_and_one_broadcast(world, mutation, late):
-    uneven = []
-    for rank, (log, nonempty, one_replica, chunked, shard_elements) in enumerate(
-            run_distributed(_worker, world, mutation, timeout=400, late_ms=late)):
-        assert chunked >= 4 and one_replica >= 1 and nonempty > chunked, \
-            "some shards are stepped by one replica, some by several"
-        uneven += [(rank, op, sizes) for op, _, sizes, listed in log if listed and len(set(sizes)) > 1]
+def test_across_owner_groups_each_bucket_is_two_operations_nccl_runs_whole(world, mutation, late):
+    """Each shard one replica steps whole: one rooted reduce and one broadcast; each flat (element-wise) shard: one
+    reduce-scatter and one all-gather of equal chunks; a padding-only shard: nothing. No list form anywhere, and
+    exactly the shard's elements moved, twice (reduced, then gathered)."""
+    replicas = world // GROUP
+    listed_across = []
+    for rank, (log, cuts) in enumerate(run_distributed(_worker, world, mutation, timeout=400, late_ms=late)):
+        across = [(op, sizes) for op, ranks, sizes, _ in log if len({r // GROUP for r in ranks}) > 1]
+        listed_across += [(rank, op, sizes) for op, _, sizes, listed in log if listed]
         if mutation is not None:
             continue
-        across = [(op, sizes) for op, ranks, sizes, _ in log if len({r // GROUP for r in ranks}) > 1]
-        ops = {op for op, _ in across}
-        assert ops <= {"reduce", "broadcast", "reduce_scatter_single", "all_gather_single"}, ops
-        reduces = [sizes[0] for op, sizes in across if op == "reduce"]
-        broadcasts = [sizes[0] for op, sizes in across if op == "broadcast"]
-        # every step: one reduce per non-empty chunk of each chunked bucket (none for an empty chunk); the
-        # broadcasts follow each step (their sizes: the same chunks)
-        assert len(reduces) == STEPS * nonempty and len(broadcasts) == STEPS * nonempty, \
-            (rank, len(reduces), len(broadcasts), nonempty)
-        assert all(n > 0 for n in reduces + broadcasts), "nothing is sent for an empty chunk"
-        assert sum(reduces) == sum(broadcasts) == STEPS * shard_elements, (rank, sum(reduces), shard_elements)
+        # The model has both kinds of shards on every rank, and no shard needs more than two operations.
+        assert any(len(sizes) == 1 for sizes, _ in cuts) and any(len(sizes) == replicas for sizes, _ in cuts), cuts
+        assert all(len(sizes) in (0, 1, replicas) for sizes, _ in cuts), cuts
+        expected: dict[str, int] = {}
+        for sizes, _ in cuts:
+            for op, n in _expected_ops(sizes, replicas).items():
+                expected[op] = expected.get(op, 0) + STEPS * n
+        ops = {op: sum(1 for o, _ in across if o == op) for op, _ in across}
+        assert ops == expected, (rank, ops, expected)
+        moved = sum(sizes[0] for _, sizes in across)
+        assert moved == 2 * STEPS * sum(length for sizes, length in cuts if sizes), (rank, moved, cuts)
+        print(f"rank {rank}: {len(cuts)} buckets across {replicas} groups, per step {sum(expected.values()) // STEPS} "
+              f"operations and {moved // STEPS} elements")
     if mutation is None:
-        assert not uneven, uneven[:3]
+        assert not listed_across, listed_across[:3]
     else:
-        assert uneven, "the list form with unequal chunks went unnoticed: the test cannot fail"
+        assert listed_across, "the list form went unnoticed: the test cannot fail"
 
 
 # --- the cross-group reduce during the backward (Note [replica reduce in backward] in engine/grad_sync.py) -----------
@@ -255,23 +270,56 @@ def test_the_number_of_new_group_calls_at_1024_ranks(monkeypatch):
     """``ProcessGroups.create`` at dp 1024 with owner groups of 8 (what ``owner_group_size="auto"`` picks with 8
     GPUs per node), counted with ``torch.distributed`` replaced by a recorder: one data-parallel group, an owner
     group and its all-gather communicator for each of the 128 groups, one replica group for each of the 8
-    positions. Every rank makes every call (torch requires it), so set-up makes 265 ``new_group`` calls; each is a
-    collective over the world. With 64 experts on top (expert owner groups of 8 inside each expert data-parallel
-    group of 16) it makes more; both counts are quoted in docs/design.md."""
+    positions. Without splitting (gloo, or no device bound to the default group) every rank makes every call
+    (torch requires it): 265 ``new_group`` calls, each a round-trip over the world. With 64 experts on top (expert
+    owner groups of 8 inside each expert data-parallel group of 16) it makes more. With a device bound and
+    ``dist.split_group`` (Note [splitting groups] in ``engine/process_groups.py``), one call per family of disjoint
+    groups: 4, and 10 with the experts, covering the same groups. Quoted in docs/design.md."""
+    from lightning_layerwise.engine import process_groups
     from lightning_layerwise.engine.process_groups import ProcessGroups
 
     calls: list[tuple[int, ...]] = []
+    splits: list[list[list[int]]] = []
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1024)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kwargs: calls.append(tuple(ranks)) or object())
+    monkeypatch.setattr(dist, "split_group", lambda split_ranks=None, **kwargs: splits.append(split_ranks) or object(),
+                        raising=False)
+    monkeypatch.setattr(process_groups, "can_split", lambda kwargs: False)
     groups = ProcessGroups.create(owner_group_size=8)
     assert len(calls) == 1 + 2 * 128 + 8 == 265, len(calls)
     assert sorted(map(len, calls)) == [8] * 256 + [128] * 8 + [1024]
     assert groups.owner is not None and groups.replica is not None
+    unsplit_dense = sorted(calls)
     calls.clear()
     ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_owner_group_size=8)
     # dense as above; expert: 16 expert-parallel groups of 64, 64 expert data-parallel groups of 16 (+ their
     # all-gather communicators), and in each, 2 owner groups of 8 (+ all-gather) and 8 replica groups of 2
     assert len(calls) == 265 + 16 + 2 * 64 + 64 * (2 * 2 + 8), len(calls)
+    unsplit_all = sorted(calls)
+    calls.clear()
+    # Split from a bound default group: the same groups, one call per family, none with new_group.
+    monkeypatch.setattr(process_groups, "can_split", lambda kwargs: True)
+    groups = ProcessGroups.create(owner_group_size=8)
+    assert not calls and len(splits) == 4, (len(calls), len(splits))
+    assert sorted(tuple(ranks) for family in splits for ranks in family) == unsplit_dense
+    assert all(sorted(r for ranks in family for r in ranks) == list(range(1024)) for family in splits), "disjoint"
+    splits.clear()
+    ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_owner_group_size=8)
+    assert not calls and len(splits) == 10, len(splits)
+    assert sorted(tuple(ranks) for family in splits for ranks in family) == unsplit_all
+
+
+def test_groups_are_split_only_from_a_bound_default_group(monkeypatch):
+    """``can_split``: torch's ``split_group``, a device bound to the default group and no other backend asked for."""
+    from types import SimpleNamespace
+
+    from lightning_layerwise.engine.process_groups import can_split
+
+    monkeypatch.setattr(dist, "split_group", lambda **kwargs: None, raising=False)
+    monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=None)))
+    assert not can_split({"backend": None})
+    monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=torch.device("cuda", 0))))
+    assert can_split({"backend": None}) and not can_split({"backend": "gloo"})

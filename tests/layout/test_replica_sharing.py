@@ -62,7 +62,10 @@ def mixed_specs(draw):
 
 def check_shared(specs: list[ParamSpec], layout) -> None:
     """Every element stepped by exactly one of the ``g * R`` ranks, inside that rank's chunk of its shard;
-    chunks tile every shard; a matrix is never cut; parameters inside their shard, aligned, disjoint."""
+    every shard cut as NCCL runs it in two operations across the groups (one replica steps it whole, or
+    ``R`` equal chunks of element-wise elements, or nothing for a padding-only shard), unless split for balance
+    into whole parameters, each replica's in one range; chunks tile every shard; a matrix is never cut;
+    parameters inside their shard, aligned, disjoint."""
     g, R = layout.dp, layout.replicas
     elementwise = {s.name: s.elementwise for s in specs}
     for plan in layout.buffers:
@@ -71,10 +74,25 @@ def check_shared(specs: list[ParamSpec], layout) -> None:
                 ranges = bucket.chunk_ranges(p)
                 assert len(ranges) == R
                 lo, hi = bucket.shard_range(p)
-                assert sorted(ranges) == sorted(ranges, key=lambda r: r[0])
+                held = [n for n in bucket.params
+                        if any(piece.owner % g == p for piece in layout.params[n].pieces)]
+                cut = bucket.chunks[p] if bucket.chunks else ((0, 0),)  # R = 1: the whole shard
+                if not cut:
+                    assert not held, (bucket.index, p, held)
+                    assert all(a == b for a, b in ranges), "a padding-only shard sends nothing"
+                    continue
                 edges = sorted(ranges)
                 assert edges[0][0] == lo and edges[-1][1] == hi
                 assert all(a[1] == b[0] for a, b in zip(edges, edges[1:])), edges
+                sizes = [b - a for a, b in ranges]
+                whole = all(len(layout.params[n].pieces) == 1 for n in held)
+                if len(cut) > 1 and all(elementwise[n] for n in held) and not whole:
+                    # equal chunks, in replica order, of element-wise elements
+                    assert sizes == [(hi - lo) // R] * R and ranges == sorted(ranges), ranges
+                elif len(cut) > 1:  # a shard split for balance: whole parameters, each replica's one range
+                    assert whole or sizes == [(hi - lo) // R] * R, (held, ranges)
+                else:
+                    assert sum(s > 0 for s in sizes) == 1, sizes
     taken: dict[int, list[tuple[int, int]]] = {}
     for name, slot in layout.params.items():
         bucket = layout.buffers[slot.buffer].buckets[slot.bucket]
@@ -101,8 +119,6 @@ def test_shared_layouts_step_every_element_once(specs, g, replicas, bucket_size)
     layout = plan_layout(specs, g, bucket_size, replicas=replicas)
     assert layout.replicas == replicas and layout.ranks == g * replicas
     check_shared(specs, layout)
-    group = plan_layout(specs, g, bucket_size)
-    assert [b.numel for b in layout.buffers] == [b.numel for b in group.buffers], "buffers as the group's"
     assert layout == plan_layout(specs, g, bucket_size, replicas=replicas), "deterministic"
 
 
@@ -115,6 +131,53 @@ def test_matrices_are_spread_over_the_replicas_by_newton_schulz_cost():
     costs = layout.rank_costs()
     assert len(costs) == 4 and max(costs) == min(costs), costs
     assert sorted(len(layout.owned_by(r)) for r in range(4)) == [1, 1, 4, 4]
+
+
+def test_a_shard_of_several_matrices_is_split_only_to_balance():
+    """A wide, cheap matrix seeds a round at 2 ranks whose other shard is filled with eight square matrices of 8x its
+    cost. Stepped whole, that shard would put all eight on one replica (8x the other's work); the balancing splits
+    it instead, four matrices each, laid out so that each replica's are one range (two chunks: four operations
+    across the groups for that shard, two for every other). With splitting off the shard stays whole."""
+    specs = [ParamSpec(f"sq{i}", (64, 64)) for i in range(8)] + [ParamSpec("wide", (8, 4096))]
+    layout = plan_layout(specs, 2, 10**6, replicas=2)
+    check_shared(specs, layout)
+    (bucket,) = layout.buffers[0].buckets
+    assert [len(c) for c in bucket.chunks] == [1, 2], bucket.chunks
+    squares = [sum(1 for i in range(8) if layout.params[f"sq{i}"].owner == rank) for rank in range(4)]
+    assert squares == [0, 4, 0, 4], squares
+    with mock.patch("lightning_layerwise.layout.sharing.SPLIT_ABOVE", float("inf")):
+        whole = plan_layout(specs, 2, 10**6, replicas=2)
+    check_shared(specs, whole)
+    assert [len(c) for c in whole.buffers[0].buckets[0].chunks] == [1, 1]
+    assert max(whole.rank_costs()) == 2 * max(layout.rank_costs())
+
+
+def _consecutive_roots(layout) -> tuple[int, int]:
+    """Per position, consecutive whole shards (bucket order) stepped by the same replica, and all such pairs."""
+    same = pairs = 0
+    for plan in layout.buffers:
+        for p in range(layout.group_size):
+            roots = [bucket.chunks[p][0][0] for bucket in plan.buckets if len(bucket.chunks[p]) == 1]
+            same += sum(a == b for a, b in zip(roots, roots[1:]))
+            pairs += len(roots) - 1
+    return same, pairs
+
+
+def test_consecutive_shards_are_stepped_by_different_replicas_at_no_cost_in_balance():
+    """12 layers of four matrix shapes at 2 ranks as 3 groups: each position's consecutive shards go to different
+    replicas (the cross-group reduces and broadcasts change root from one bucket to the next) and every rank carries
+    the same Newton–Schulz cost as without rotating, which leaves 20 of the 46 pairs on one replica."""
+    from lightning_layerwise.layout import sharing
+
+    specs = [ParamSpec(f"h{layer}.{name}", shape) for layer in range(12)
+             for name, shape in (("attn", (64, 192)), ("proj", (64, 64)), ("fc", (256, 64)), ("out", (64, 256)))]
+    layout = plan_layout(specs, 2, 10**6, replicas=3)
+    check_shared(specs, layout)
+    with mock.patch.object(sharing, "_rotate", lambda *args, **kwargs: None):
+        unrotated = plan_layout(specs, 2, 10**6, replicas=3)
+    assert _consecutive_roots(layout) == (0, 46), _consecutive_roots(layout)
+    assert _consecutive_roots(unrotated)[0] > 0, "the check cannot fail"
+    assert sorted(layout.rank_costs()) == sorted(unrotated.rank_costs())
 
 
 def test_sharing_a_shared_layout_or_a_bad_count_is_refused():
