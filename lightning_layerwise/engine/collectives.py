@@ -97,6 +97,11 @@ class Collective:
     def pending(self) -> bool:
         return self.work is not None
 
+    @property
+    def done(self) -> bool:
+        """Whether the collective has completed (waiting would not block); asks the handle, never waits."""
+        return self.work is None or self.work.is_completed()
+
 
 class SideStream:
     """A CUDA stream beside the one the model computes on, made at first use, in which a wait for one collective and
@@ -239,6 +244,9 @@ class _Works:
             if work is not None:
                 work.wait()
         self.works = []
+
+    def is_completed(self) -> bool:
+        return all(work is None or work.is_completed() for work in self.works)
 
 
 def reduce_scatter_chunks(tensor: torch.Tensor, ranges: list[tuple[int, int]], group: ProcessGroup | None,

@@ -18,7 +18,10 @@ Note [cross-group gathers]
     dispatched (not all of them at the step), and each in-group all-gather waits for its
     own bucket's cross-group one only. On a GPU that wait and the in-group dispatch run on
     a side stream, so the stream the forward computes on waits only for the in-group
-    all-gather of a bucket its next module needs (in the forward pre-hook).
+    all-gather of a bucket its next module needs (in the forward pre-hook). Where a wait
+    blocks the host (CPU tensors, gloo), prefetching never waits: a bucket whose
+    cross-group gather has not landed yet is left, with those after it, for a later hook
+    or the module that needs it, and the forward computes meanwhile.
 
 Note [compiled pre-hooks]
     ``torch.compile`` traces the forward pre-hooks with the module (Note [compiled
@@ -205,7 +208,18 @@ class ParameterSync:
 
     def _top_up(self) -> None:
         while len(self._in_flight) < self.prefetch_depth and self._next < len(self._queue):
+            if not self._can_prefetch(self._queue[self._next]):
+                return
             self._dispatch_next()
+
+    def _can_prefetch(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s in-group all-gather can be dispatched ahead of need without blocking the host
+        (Note [cross-group gathers]): always on a GPU (the wait is a side stream's), on CPU once its cross-group
+        gather has landed. Issues the cross-group gathers of the window first, as a dispatch would."""
+        if bucket.chunks is None or bucket.param_data.is_cuda:
+            return True
+        self._dispatch_replica_gathers(through=self._next - 1 + self.prefetch_depth)
+        return bucket.replica_gather is None or bucket.replica_gather.done
 
 
 def _poison_others_shards(bucket: Bucket) -> None:

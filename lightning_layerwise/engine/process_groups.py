@@ -50,12 +50,13 @@ Note [splitting groups]
     and each call is a store round-trip over the world: at 1024 ranks with owner groups
     of 8, set-up made 265 such calls (``test_cross_group_collectives.py`` counts them).
     Where torch has ``dist.split_group`` and the default group is bound to a device
-    (``init_process_group(..., device_id=...)``, which Lightning and ``torchrun`` scripts
-    may pass; NCCL then splits communicators with ``ncclCommSplit`` instead of building
-    each from scratch), each family of disjoint groups (the owner groups, their all-gather
-    communicators, the replica groups…) is one ``split_group`` call: 4 at that scale. gloo
-    and an unbound default group refuse splitting, and a ``backend`` other than the
-    default's cannot be split from it; those keep one ``new_group`` per group.
+    (``init_process_group(..., device_id=...)``, which Lightning's strategies pass on GPUs
+    with torch >= 2.3; NCCL then splits communicators with ``ncclCommSplit`` instead of
+    building each from scratch), each family of disjoint groups (the owner groups, their all-gather
+    communicators, the replica groups…) is one ``split_group`` call: 4 at that scale.
+    Whether the backend splits is asked of it (``supports_splitting``: NCCL yes, gloo
+    no); an unbound default group cannot be split, nor a ``backend`` other than the
+    default's; those keep one ``new_group`` per group.
 """
 
 from __future__ import annotations
@@ -251,12 +252,20 @@ class ProcessGroups:
 
 
 def can_split(kwargs: dict) -> bool:
-    """Whether groups can be split from the default group (Note [splitting groups]): torch has
-    ``dist.split_group``, the default group is bound to a device (``init_process_group(device_id=...)``) and no
-    other backend is asked for."""
+    """Whether groups can be split from the default group (Note [splitting groups]): torch has ``dist.split_group``,
+    the default group is bound to a device (``init_process_group(device_id=...)``), its backend for that device
+    says it supports splitting (NCCL does, gloo not), and no other backend is asked for."""
+    if not hasattr(dist, "split_group") or kwargs.get("backend") is not None:
+        return False
     default = dist.group.WORLD
-    return (hasattr(dist, "split_group") and kwargs.get("backend") is None
-            and getattr(default, "bound_device_id", None) is not None)
+    device = getattr(default, "bound_device_id", None)
+    if device is None:
+        return False
+    try:
+        backend = default._get_backend(device)
+    except (RuntimeError, ValueError, AttributeError):  # no backend for that device
+        return False
+    return bool(getattr(backend, "supports_splitting", False))
 
 
 def _partition(parts: list[list[int]], rank: int, kwargs: dict) -> dist.ProcessGroup | None:

@@ -264,6 +264,67 @@ def test_cross_group_gathers_follow_the_forward_within_the_prefetch_window(mutat
         assert outside, "dispatching every cross-group gather at the step stayed in the window: the test cannot fail"
 
 
+def _prefetch_worker(rank, world, mutation):
+    """Every in-group all-gather dispatch of two steps, with the bucket's position, why it was dispatched (the position
+    of the bucket a pre-hook needs, or "finish" for a full sync, or "step" for the prefetch after the step) and
+    whether the host blocked on the bucket's cross-group gather first."""
+    from lightning_layerwise.engine.param_sync import ParameterSync
+
+    if mutation == "blocking-prefetch":  # prefetch as before: wait for the cross-group gather whatever the need
+        ParameterSync._can_prefetch = lambda self, bucket: True
+    model, session, optimizer, wrapped = _gpt_session(3, prefetch_depth=2, overlap_param_gather=True)
+    position = {id(b): i for i, b in enumerate(wrapped.param_sync.gather_order)}
+    context: list = []
+    records: list = []
+    ensure, finish, dispatch = ParameterSync.ensure_gathered, ParameterSync.finish, ParameterSync._dispatch_next
+
+    def within(fn, why):
+        def wrapped_fn(self, *args):
+            context.append(why(args))
+            try:
+                return fn(self, *args)
+            finally:
+                context.pop()
+        return wrapped_fn
+
+    def traced(self):
+        bucket = self._queue[self._next]
+        self._dispatch_replica_gathers(through=self._next - 1 + self.prefetch_depth)  # what the dispatch does first
+        blocks = bucket.replica_gather is not None and not bucket.replica_gather.done
+        records.append((position[id(bucket)], context[-1] if context else "step", blocks))
+        return dispatch(self)
+
+    ParameterSync.ensure_gathered = within(ensure, lambda args: position[id(args[0])])
+    ParameterSync.finish = within(finish, lambda args: "finish")
+    ParameterSync._dispatch_next = traced
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        idx = _backward(session, wrapped, g)
+        session.step(optimizer)
+        optimizer.zero_grad()
+        wrapped(idx)
+        session.sync_parameters()
+    session.release()
+    return records
+
+
+@pytest.mark.parametrize("mutation", [None, "blocking-prefetch"])
+def test_a_cpu_prefetch_never_blocks_on_a_cross_group_gather(mutation):
+    """At 6 ranks as 3 groups of 2, with collectives up to ``LATE_MS`` late (so a cross-group gather is rarely done
+    when the next bucket could be prefetched): the host blocks on a bucket's cross-group gather only for a bucket a
+    pre-hook needs (or one before it, in order) or in a full sync, never to prefetch (Note [cross-group gathers]).
+    Prefetching as before (waiting whatever the need) blocks ahead of need, and fails."""
+    ahead = []
+    for rank, records in enumerate(run_distributed(_prefetch_worker, 6, mutation, late_ms=LATE_MS)):
+        assert records, rank
+        ahead += [(rank, pos, why) for pos, why, blocks in records
+                  if blocks and why != "finish" and (why == "step" or pos > why)]
+    if mutation is None:
+        assert not ahead, ahead[:4]
+    else:
+        assert ahead, "prefetching that blocks went unnoticed: the test cannot fail"
+
+
 # --- how many groups set-up creates at scale -----------------------------------------------------------------------
 
 def test_the_number_of_new_group_calls_at_1024_ranks(monkeypatch):
@@ -312,14 +373,22 @@ def test_the_number_of_new_group_calls_at_1024_ranks(monkeypatch):
     assert sorted(tuple(ranks) for family in splits for ranks in family) == unsplit_all
 
 
-def test_groups_are_split_only_from_a_bound_default_group(monkeypatch):
-    """``can_split``: torch's ``split_group``, a device bound to the default group and no other backend asked for."""
+def test_groups_are_split_only_from_a_bound_default_group_whose_backend_splits(monkeypatch):
+    """``can_split``: torch's ``split_group``, a device bound to the default group, a backend for that device that
+    says it supports splitting, and no other backend asked for."""
     from types import SimpleNamespace
 
     from lightning_layerwise.engine.process_groups import can_split
 
+    def world(bound, splits):
+        backend = SimpleNamespace(supports_splitting=splits)
+        return SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=bound, _get_backend=lambda device: backend))
+
+    cuda = torch.device("cuda", 0)
     monkeypatch.setattr(dist, "split_group", lambda **kwargs: None, raising=False)
-    monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=None)))
+    monkeypatch.setattr(dist, "group", world(None, True))
     assert not can_split({"backend": None})
-    monkeypatch.setattr(dist, "group", SimpleNamespace(WORLD=SimpleNamespace(bound_device_id=torch.device("cuda", 0))))
+    monkeypatch.setattr(dist, "group", world(cuda, False))  # gloo over CUDA tensors: bound, but no splitting
+    assert not can_split({"backend": None})
+    monkeypatch.setattr(dist, "group", world(cuda, True))
     assert can_split({"backend": None}) and not can_split({"backend": "gloo"})
