@@ -10,10 +10,7 @@ Note [size matching]
     the number of blocks. A shard that finds no peer is filled greedily with
     smaller parameters that fit (next in backward order first), and only what
     is left is padding. Note [leftovers] decides which parameters may be peers
-    and which are kept for filling. When ``R > 1`` owner groups share the
-    stepping, each round is a bucket of its own, whatever ``bucket_size`` says:
-    one replica steps each shard whole (Note [replica sharing] in
-    ``layout/sharing.py``), so shards must stay as fine as rounds.
+    and which are kept for filling.
 
 Note [leftovers]
     Backward-order filling alone strands parameters: when a large seed's round
@@ -268,10 +265,7 @@ def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, co
     """
     def plan(whole: list[ParamSpec], elementwise: list[ParamSpec]):
         cost = list(rank_cost)
-        # Shared among owner groups, each round of whole parameters is a bucket of its own: a shard is then
-        # stepped whole by one replica (Note [replica sharing] in layout/sharing.py) and holds one round's share.
-        rounds_size = 1 if replicas > 1 else bucket_size
-        buckets, placed, cost = _plan_buffer(whole, dp, rounds_size, costs, cost) if whole else ([], {}, cost)
+        buckets, placed, cost = _plan_buffer(whole, dp, bucket_size, costs, cost) if whole else ([], {}, cost)
         numel = {s.name: s.numel for s in queue}
         pieces = {name: (Piece(owner, 0, numel[name]),) for name, (_, _, owner) in placed.items()}
         located = {name: (bucket, offset) for name, (bucket, offset, _) in placed.items()}

@@ -25,16 +25,14 @@
       optimizer state), improved by moves and swaps while the busiest replica is above the bound
       (:func:`_rebalance`): one rooted ``reduce`` to that replica and one ``broadcast``
       from it. Then consecutive shards of a position get different replicas where a
-      swap with an identical shard allows (:func:`_rotate`), which changes no load. So
-      that shards stay fine-grained, the planner makes each round of whole parameters a
-      bucket of its own when ``R > 1`` (Note [size matching] in ``layout/packing.py``):
-      a shard then holds one round's share, at scale one matrix. Where the busiest
-      replica of a position stays above :data:`SPLIT_ABOVE` times the bound and holds a
-      shard of several whole parameters, that shard is split: its parameters are
-      balanced one by one and laid out again, each replica's consecutively, so a chunk
-      is still one range (two operations per replica that steps some of it; on the
-      published models of ``benchmarks/layout_scale.py`` only DeepSeek-V3 at 1024 ranks
-      splits any, 6 shards);
+      swap with an identical shard allows (:func:`_rotate`), which changes no load.
+      Where the busiest replica of a position stays above :data:`SPLIT_ABOVE` times the
+      bound and holds a shard of several whole parameters (a bucket holding many small
+      matrices), that shard is split: its parameters are balanced one by one and laid
+      out again, each replica's consecutively, so a chunk is still one range (two
+      operations per replica that steps some of it). Fewer, larger buckets with some
+      split shards take fewer operations in all than a bucket per matrix would; at
+      scale a shard is one matrix and nothing is split;
     * a shard of padding only has no chunk: nothing is sent for it.
 
     Only a split shard moves parameters inside it; buckets, shards and every other
