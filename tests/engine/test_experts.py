@@ -76,7 +76,7 @@ def reference(opt_name: str, epochs_of_half: bool = False) -> dict[str, torch.Te
     return global_names(model, 0)
 
 
-def wrap_moe(groups: ProcessGroups, E: int, opt_name: str):
+def wrap_moe(groups: ProcessGroups, E: int, opt_name: str, bucket_size: int = 4096):
     """This rank's MoE GPT (its experts of ``E``), its optimizer and the wrapper, as the strategy sets them up."""
     model = moe_gpt(E, groups.expert_parallel_rank)
     check_expert_marks(model, E)
@@ -84,7 +84,7 @@ def wrap_moe(groups: ProcessGroups, E: int, opt_name: str):
     opt = optimizer(opt_name, model)
     experts = expert_parameter_names(model)
     elementwise = elementwise_parameters(opt)
-    ddp = LayerwiseDataParallel(model, groups, bucket_size=4096, prefetch_depth=1,
+    ddp = LayerwiseDataParallel(model, groups, bucket_size=bucket_size, prefetch_depth=1,
                                 expert=lambda n, p: n in experts, elementwise=lambda n, p: p in elementwise)
     ddp.use_shards_in(opt)
     return model, opt, ddp, experts
