@@ -104,6 +104,7 @@ def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int
     # Per shard (buffer, bucket, position): "empty", "even" (element-wise only, cut into equal chunks) or
     # "whole" (stepped by one replica, unless the balancing below splits it into its parameters).
     shards: dict[tuple[int, int, int], tuple[str, list[tuple[str, ParamSlot, Piece]]]] = {}
+    whole: list[list[tuple[tuple[int, int, int], list]]] = [[] for _ in range(g)]  # per position, bucket order
     for plan in plans:
         for bp in plan.buckets:
             by_position: list[list[tuple[str, ParamSlot, Piece]]] = [[] for _ in range(g)]
@@ -118,6 +119,7 @@ def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int
                     mode = "even"
                 else:
                     mode = "whole"
+                    whole[p].append(((plan.index, bp.index, p), items))
                 shards[plan.index, bp.index, p] = (mode, items)
 
     def job(key: tuple[int, int, int], items: list[tuple[str, ParamSlot, Piece]], name: str = "") -> _Job:
@@ -128,8 +130,6 @@ def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int
         state = sum(piece.numel * (ELEMENTWISE_STATE if elementwise.get(n, False) else 1) for n, slot, piece in items)
         return cost, state, (*key, name)
 
-    whole = [[(key, items) for key, (mode, items) in shards.items() if mode == "whole" and key[2] == p]
-             for p in range(g)]
     every = [job(key, [item]) for position in whole for key, items in position for item in items]
     total = sum(j[0] for j in every)
     floor = max([total / (g * replicas)] + [j[0] for j in every])  # no placement of whole matrices goes below
