@@ -112,13 +112,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_nccl_world1(tmp: str) -> None:
-    """An NCCL default group of one rank, set up the way Lightning's launcher would leave it."""
+def _init_nccl_world1(tmp: str, bind_device: bool = False) -> None:
+    """An NCCL default group of one rank, set up the way Lightning's launcher would leave it; ``bind_device``
+    binds it to ``cuda:0`` (``device_id``), as Lightning does on GPUs with torch >= 2.3."""
     torch.cuda.set_device(0)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
                       LOCAL_RANK="0", NODE_RANK="0")
     store = dist.FileStore(os.path.join(tmp, "nccl_store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=120))
+    bound = {"device_id": torch.device("cuda", 0)} if bind_device else {}
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=120), **bound)
 
 
 def _nccl_groups(separate_all_gather: bool = True) -> llw.ProcessGroups:

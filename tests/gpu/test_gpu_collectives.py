@@ -71,6 +71,50 @@ def test_wrapper_over_real_nccl_collectives_matches_single_device_training():
         _assert_matches(result, reference, what=what)
 
 
+def _nccl_split_child(tmp: str) -> dict:
+    from lightning_layerwise.engine import process_groups
+    _init_nccl_world1(tmp, bind_device=True)
+    out = {"can_split": process_groups.can_split({})}
+    calls = []
+    real_split, real_new = dist.split_group, dist.new_group
+    dist.split_group = lambda *a, **k: calls.append("split_group") or real_split(*a, **k)
+    dist.new_group = lambda *a, **k: calls.append("new_group") or real_new(*a, **k)
+    try:
+        dp = process_groups._partition([[0]], 0, {})
+        gather = process_groups._partition([[0]], 0, {})
+    finally:
+        dist.split_group, dist.new_group = real_split, real_new
+    out["calls"] = calls
+    out["backend"] = dist.get_backend(dp)
+    device = torch.device("cuda", 0)
+    out["averaging"] = sorted(collectives.probe_averaging(dp, device))
+    t = torch.full((5,), 3.0, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=dp)
+    out["avg"] = t.cpu()
+    batches = _batches("mlp", WRAP_STEPS)
+    reference = _train_plain(_fresh("mlp"), batches, "adamw")
+    result = _train_wrapped(_fresh("mlp"), batches, "adamw", process_groups=llw.ProcessGroups(dp=dp,
+                            dp_all_gather=gather), bucket_size=1024, prefetch_depth=1)
+    out["result"], out["reference"] = result, reference
+    result["max_err"] = _max_err(result, reference)
+    return out
+
+
+def test_groups_split_from_a_device_bound_nccl_world_and_its_averaging_probe():
+    """An NCCL world bound to its device (as Lightning binds it): groups come from ``dist.split_group``, one
+    call per family (Note [splitting groups]); the averaging probe finds NCCL averaging all three reductions;
+    the wrapper over the split groups trains like one device (6 AdamW steps)."""
+    out = _run_child(_nccl_split_child)
+    assert out["can_split"] is True
+    assert out["calls"] == ["split_group", "split_group"], out["calls"]
+    assert out["backend"] == "nccl"
+    assert out["averaging"] == sorted(collectives.AVERAGED), out["averaging"]
+    assert torch.equal(out["avg"], torch.full((5,), 3.0))
+    result, reference = out["result"], out["reference"]
+    assert result["events"].get("rs_dispatch") == result["buckets"] * WRAP_STEPS, result["events"]
+    _assert_matches(result, reference, what="split groups")
+
+
 # --- c. stream safety with slowed collectives ------------------------------------------------------------------------
 
 SLOW_MS = 100.0
@@ -122,6 +166,7 @@ class SlowCollectives:
     def __init__(self, sleep_cycles: int, broken: tuple[str, ...] = ()):
         self.sleep_cycles, self.broken = sleep_cycles, set(broken)
         self.calls = {k: 0 for k in self.KINDS}
+        self.sizes: dict[str, list[int]] = {k: [] for k in self.KINDS}
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._real = {}
 
@@ -141,6 +186,7 @@ class SlowCollectives:
     def _make(self, kind: str):
         def slowed(output, input, *args, group=None, async_op=False, **kwargs):
             self.calls[kind] += 1
+            self.sizes[kind].append(input.numel())
             compute = torch.cuda.current_stream()
             staged = input.clone()
             output.fill_(float("nan"))
@@ -169,8 +215,9 @@ def _slow_run(model_name: str, batches, cycles: int, broken=(), optimizer: str =
             result = _train_wrapped(_fresh(model_name), batches, optimizer, **options)
         except BaseException as err:  # noqa: BLE001 - reported to the parent as data
             return {"error_type": type(err).__name__, "error": str(err),
-                    "is_stale_error": _is_stale_read_error(err), "calls": dict(slow.calls)}
-    result["calls"] = dict(slow.calls)
+                    "is_stale_error": _is_stale_read_error(err), "calls": dict(slow.calls),
+                    "sizes": dict(slow.sizes)}
+    result["calls"], result["sizes"] = dict(slow.calls), dict(slow.sizes)
     return result
 
 
@@ -210,7 +257,12 @@ def test_stream_safety_with_slow_side_stream_collectives():
     honest = out["honest"]
     assert "error" not in honest, honest
     assert honest["buckets"] >= 4
-    assert honest["calls"]["all_gather"] == honest["calls"]["reduce_scatter"] == honest["buckets"] * 4, honest["calls"]
+    # Every bucket's two collectives in each of the 4 steps went through the slowed path; besides them only set-up's
+    # averaging probe (Note [averaging]: one reduce-scatter of one element per rank) did.
+    steps = {k: [n for n in sizes if n > 1] for k, sizes in honest["sizes"].items()}
+    assert len(steps["all_gather"]) == len(steps["reduce_scatter"]) == honest["buckets"] * 4, honest["sizes"]
+    assert honest["sizes"]["all_gather"] == steps["all_gather"], honest["sizes"]
+    assert [n for n in honest["sizes"]["reduce_scatter"] if n == 1] == [1], honest["sizes"]
     _assert_matches(honest, out["reference"], what="slowed side-stream collectives")
     for mode in ("broken_all_gather", "broken_reduce_scatter"):
         assert "error" not in out[mode], out[mode]

@@ -110,7 +110,8 @@ def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
     from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
 
     out = {"norms": [], "markers": 0}
-    with gloo_over_cuda(tmp, "clip", rank, world):
+    # A hand-built wrapper's loop holds the patched gradient utilities (Note [gradient utilities]).
+    with gloo_over_cuda(tmp, "clip", rank, world), llw.gradient_utilities():
         model = gpt(seed=rank).cuda()
         opt = optimizer("sgd", model)
         ddp = wrap(model, opt, bucket_size=2048)
