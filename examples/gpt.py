@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import lightning_layerwise as llw
+
 __all__ = ["GPT", "GPTConfig", "example_gpt"]
 
 
@@ -52,6 +54,11 @@ class GPTConfig:
     """Dropout probability in ``[0, 1)`` on embeddings, attention and residual branches."""
     bias: bool = True
     """Whether Linear and LayerNorm layers have biases (nanoGPT's GPT-2 setting is True)."""
+    split_qkv: str = "none"
+    """How Muon sees each fused ``c_attn`` weight: ``"none"`` one matrix, ``"qkv"`` three (q, k, v), ``"heads"``
+    ``3 * n_head`` per-head blocks (``lightning_layerwise.mark_matrices``; Note [matrix views])."""
+    qk_clip: bool = False
+    """Declare the attention heads and record each forward's largest logit per head, for ``QKClip``."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -65,6 +72,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig: `dropout` must be in [0, 1), got {self.dropout!r}.")
+        if self.split_qkv not in ("none", "qkv", "heads"):
+            raise ValueError(f"GPTConfig: `split_qkv` must be 'none', 'qkv' or 'heads', got {self.split_qkv!r}.")
 
 
 class CausalSelfAttention(nn.Module):
@@ -76,12 +85,20 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
+        if config.split_qkv != "none":
+            llw.mark_matrices(self.c_attn, "weight", split=3 if config.split_qkv == "qkv" else 3 * config.n_head)
+        self.record_logits = config.qk_clip
+        if config.qk_clip:  # queries are rows [0, C) of c_attn, keys rows [C, 2C): n_head heads of C / n_head
+            llw.mark_attention(self, n_heads=config.n_head, head_dim=config.n_embd // config.n_head,
+                               q="c_attn.weight", k="c_attn.weight", k_offset=config.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim), the layout SDPA expects.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.record_logits:
+            llw.record_attention_logits(self, q, k, is_causal=True)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )

@@ -84,6 +84,10 @@ class GPTLightningModule(L.LightningModule):
         block_size: Longest sequence the model accepts; the data's ``block_size`` must not exceed it.
         dropout: Dropout probability in ``[0, 1)``.
         bias: Biases in Linear and LayerNorm layers.
+        split_qkv: How Muon sees each fused QKV weight: ``"none"`` (one matrix), ``"qkv"``
+            (three) or ``"heads"`` (per head); see docs/muon.md.
+        qk_clip_tau: QK-clip's logit bound (``lightning_layerwise.QKClip``, Kimi K2 used 100);
+            ``None``: off. The attention then records its largest logit per head.
         optimizer: Factory called with the parameter groups; see Note [optimizer injection].
         lr_scheduler: Optional factory called with the optimizer; it is stepped every
             optimizer step (``interval="step"``).
@@ -98,6 +102,8 @@ class GPTLightningModule(L.LightningModule):
         block_size: int = 128,
         dropout: float = 0.0,
         bias: bool = True,
+        split_qkv: str = "none",
+        qk_clip_tau: float | None = None,
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -123,7 +129,8 @@ class GPTLightningModule(L.LightningModule):
         h = self.hparams
         return dict(
             block_size=h.block_size, n_layer=h.n_layer, n_head=h.n_head, n_embd=h.n_embd,
-            dropout=h.dropout, bias=h.bias,
+            dropout=h.dropout, bias=h.bias, split_qkv=h.get("split_qkv", "none"),
+            qk_clip=h.get("qk_clip_tau") is not None,
         )
 
     def _build(self, vocab_size: int) -> None:
@@ -170,6 +177,11 @@ class GPTLightningModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.param_groups_for_optimizer())
+        if self.hparams.get("qk_clip_tau") is not None:
+            from lightning_layerwise import QKClip
+
+            # After every optimizer step, on the ranks that step the query and key rows (docs/muon.md).
+            self.qk_clip = QKClip(self.model, tau=self.hparams.qk_clip_tau).attach(optimizer)
         if self.lr_scheduler_factory is None:
             return optimizer
         scheduler = self.lr_scheduler_factory(optimizer)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 import lightning_layerwise as llw
 
-__all__ = ["ExpertMLP", "MoE", "MoEGPT", "MoEGPTLightningModule"]
+__all__ = ["ExpertMLP", "GroupedExperts", "MoE", "MoEGPT", "MoEGPTLightningModule"]
 
 
 class ExpertMLP(nn.Module):
@@ -35,6 +35,32 @@ class ExpertMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down(F.gelu(self.up(x)))
+
+
+class GroupedExperts(nn.Module):
+    """``count`` experts stacked in two 3-D parameters, as torchtitan's ``GroupedExperts`` keeps them: ``up``
+    ``[count, hidden, d]`` and ``down`` ``[count, d, hidden]``, each expert's matrix ``(out, in)`` as an
+    ``nn.Linear`` weight. Muon orthogonalizes each expert's matrix (a stack: Note [matrix views]).
+    ``from_experts`` stacks :class:`ExpertMLP` weights, so both forms start from the same numbers."""
+
+    def __init__(self, count: int, d: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.empty(count, hidden, d))
+        self.down = nn.Parameter(torch.empty(count, d, hidden))
+
+    @classmethod
+    def from_experts(cls, experts: list[ExpertMLP]) -> "GroupedExperts":
+        grouped = cls(len(experts), experts[0].up.in_features, experts[0].up.out_features)
+        with torch.no_grad():
+            grouped.up.copy_(torch.stack([e.up.weight for e in experts]))
+            grouped.down.copy_(torch.stack([e.down.weight for e in experts]))
+        return grouped
+
+    def __len__(self) -> int:
+        return self.up.shape[0]
+
+    def expert(self, j: int, x: Tensor) -> Tensor:
+        return F.linear(F.gelu(F.linear(x, self.up[j])), self.down[j])
 
 
 def _exchange(x: Tensor, send: list[int], receive: list[int], group) -> Tensor:
@@ -57,7 +83,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, d: int, hidden: int, num_experts: int, top_k: int = 2, expert_parallel_size: int = 1,
-                 expert_rank: int = 0) -> None:
+                 expert_rank: int = 0, grouped: bool = False) -> None:
         super().__init__()
         if num_experts % expert_parallel_size:
             raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel_size="
@@ -67,8 +93,10 @@ class MoE(nn.Module):
         self.first = expert_rank * self.local
         self.router = nn.Linear(d, num_experts, bias=False)
         # Every rank draws every expert's initial weights (same random stream) and keeps its own.
-        experts = [ExpertMLP(d, hidden) for _ in range(num_experts)]
-        self.experts = llw.mark_experts(nn.ModuleList(experts[self.first:self.first + self.local]), num_experts)
+        experts = [ExpertMLP(d, hidden) for _ in range(num_experts)][self.first:self.first + self.local]
+        # grouped: the local experts stacked in 3-D parameters (GroupedExperts), from the same initial weights.
+        local = GroupedExperts.from_experts(experts) if grouped else nn.ModuleList(experts)
+        self.experts = llw.mark_experts(local, num_experts)
         self.expert_group = None
         self.aux_loss = torch.zeros(())
 
@@ -105,10 +133,13 @@ class MoE(nn.Module):
         # collective, and autograd runs it only for outputs the loss depends on. A rank whose experts got
         # no token would otherwise skip it while the others wait (the same graph on every rank).
         out = recv_x * 0
-        for j, expert in enumerate(self.experts):
+        grouped = isinstance(self.experts, GroupedExperts)
+        for j in range(len(self.experts)):
             mask = recv_ids == self.first + j
             if mask.any():
-                out = out.index_put((mask.nonzero().squeeze(1),), expert(recv_x[mask]))
+                x_j = recv_x[mask]
+                y_j = self.experts.expert(j, x_j) if grouped else self.experts[j](x_j)
+                out = out.index_put((mask.nonzero().squeeze(1),), y_j)
         if group is not None:
             out = _exchange(out, receive, send, group)
         combined = torch.zeros_like(tokens).index_add(0, token_of, out * weights.reshape(-1)[order].unsqueeze(1))
@@ -120,7 +151,7 @@ class MoEGPT(nn.Module):
 
     def __init__(self, vocab_size: int = 96, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
                  n_embd: int = 64, num_experts: int = 4, top_k: int = 2, expert_parallel_size: int = 1,
-                 expert_rank: int = 0) -> None:
+                 expert_rank: int = 0, grouped_experts: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -128,8 +159,8 @@ class MoEGPT(nn.Module):
                                   for _ in range(n_layer))
         self.ln1 = nn.ModuleList(nn.LayerNorm(n_embd) for _ in range(n_layer))
         self.ln2 = nn.ModuleList(nn.LayerNorm(n_embd) for _ in range(n_layer))
-        self.moe = nn.ModuleList(MoE(n_embd, 2 * n_embd, num_experts, top_k, expert_parallel_size, expert_rank)
-                                 for _ in range(n_layer))
+        self.moe = nn.ModuleList(MoE(n_embd, 2 * n_embd, num_experts, top_k, expert_parallel_size, expert_rank,
+                                     grouped=grouped_experts) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.wte.weight
@@ -167,7 +198,11 @@ class MoEGPTLightningModule(L.LightningModule):
 
     def __init__(self, vocab_size: int = 0, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
                  n_embd: int = 64, num_experts: int = 4, top_k: int = 2, aux_loss_weight: float = 0.01,
-                 lr: float = 0.02, adamw_lr: float = 3e-3) -> None:
+                 lr: float = 0.02, adamw_lr: float = 3e-3, grouped_experts: bool = False,
+                 flatten_experts: bool = False) -> None:
+        """``grouped_experts``: the experts stacked in 3-D parameters (:class:`GroupedExperts`), each expert's
+        matrix orthogonalized on its own; ``flatten_experts`` makes Muon see each stack as one flattened
+        ``(E, rest)`` matrix instead (what a stack got before matrix views; for comparison only)."""
         super().__init__()
         self.save_hyperparameters()
         self.model: MoEGPT | None = None
@@ -182,7 +217,12 @@ class MoEGPTLightningModule(L.LightningModule):
         strategy = self.trainer.strategy
         E = getattr(strategy, "expert_parallel_size", 1)
         self.model = MoEGPT(vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.num_experts, h.top_k,
-                            expert_parallel_size=E, expert_rank=strategy.expert_parallel_rank if E > 1 else 0)
+                            expert_parallel_size=E, expert_rank=strategy.expert_parallel_rank if E > 1 else 0,
+                            grouped_experts=h.get("grouped_experts", False))
+        if h.get("flatten_experts", False):
+            for layer in self.model.moe:
+                for name in ("up", "down"):
+                    llw.mark_matrices(layer.experts, name, stack=False)
 
     def on_fit_start(self) -> None:
         groups = getattr(self.trainer.strategy, "process_groups", None)

@@ -20,7 +20,8 @@ from .engine.sharded import ShardedParameterReadError
 from .engine.waiter import CollectiveError
 from .experts import mark_experts
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
-from .optim import Muon, muon_param_groups
+from .engine.qk_clip import QKClip
+from .optim import Muon, mark_attention, mark_matrices, muon_param_groups, record_attention_logits
 from .session import LayerwiseSession, SessionEnv
 
 _LIGHTNING_NAMES = ("LayerwiseStrategy", "LayerwiseFabricStrategy")
@@ -55,6 +56,7 @@ __all__ = [
     "Muon",
     "ParamSpec",
     "ProcessGroups",
+    "QKClip",
     "ReplicaDivergenceError",
     "SessionEnv",
     "ShardedParameterReadError",
@@ -67,7 +69,10 @@ __all__ = [
     "full_parameters",
     "grad_norm",
     "gradient_utilities",
+    "mark_attention",
     "mark_experts",
+    "mark_matrices",
     "muon_param_groups",
     "plan_layout",
+    "record_attention_logits",
 ]

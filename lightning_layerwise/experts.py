@@ -8,6 +8,18 @@ container per layer and marks that container once::
 
     self.experts = llw.mark_experts(nn.ModuleList(make_expert(i) for i in local_ids), num_experts=n)
 
+Grouped experts (torchtitan's ``GroupedExperts``, DeepSeek-V3 and recent Hugging Face
+MoE code) keep the local experts stacked in ``[local, ...]`` parameters of one module;
+that module is marked the same way, and its parameters' leading dimension is the local
+expert count (Muon orthogonalizes each expert's matrix: Note [matrix views] in
+``optim/matrices.py``)::
+
+    self.experts = llw.mark_experts(GroupedExperts(local, d, hidden), num_experts=n)
+
+Checkpoints name an expert of a ``ModuleList`` by its global index; a stack has no such
+name yet, so with ``expert_parallel_size > 1`` a checkpoint of grouped experts is refused
+before anything is written (``SessionCheckpoints.check_save``).
+
 Every parameter under a marked container is an expert parameter: it gets a buffer
 of its own, reduced and gathered over the expert data-parallel group. The marks
 are checked on every rank before any work (:func:`check_expert_marks`).
@@ -25,11 +37,33 @@ def mark_experts(experts: nn.Module, num_experts: int) -> nn.Module:
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"mark_experts(num_experts={num_experts!r}): pass the layer's total number of experts "
                          "(over every expert-parallel rank), an integer >= 1.")
-    if not isinstance(experts, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
-        raise ValueError(f"mark_experts expects the container of the local experts (nn.ModuleList), got "
-                         f"{type(experts).__name__}.")
+    if not isinstance(experts, nn.Module):
+        raise ValueError(f"mark_experts expects the container of the local experts (nn.ModuleList) or a module of "
+                         f"grouped experts, got {type(experts).__name__}.")
+    if not isinstance(experts, _CONTAINERS):
+        sizes = {tuple(p.shape[:1]) for p in experts.parameters()}
+        if len(sizes) != 1 or sizes == {()}:
+            raise ValueError(f"mark_experts({type(experts).__name__}): a module of grouped experts keeps its local "
+                             "experts stacked along the first dimension of every parameter, but its parameters' "
+                             f"first dimensions are {sorted(sizes)}; mark the nn.ModuleList of experts instead.")
     setattr(experts, EXPERTS_ATTRIBUTE, num_experts)
     return experts
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+def grouped_expert_paths(module: nn.Module) -> list[str]:
+    """The marked modules of ``module`` that stack their local experts in their parameters (grouped experts)."""
+    return [path for path, m in marked_containers(module).items() if not isinstance(m, _CONTAINERS)]
+
+
+def local_expert_count(container: nn.Module) -> int:
+    """How many experts a marked container holds on this rank: its length, or the leading dimension of a grouped
+    module's parameters."""
+    if isinstance(container, _CONTAINERS):
+        return len(container)
+    return next(iter(container.parameters())).shape[0]
 
 
 def marked_containers(module: nn.Module) -> dict[str, nn.Module]:
@@ -52,7 +86,7 @@ def check_expert_marks(module: nn.Module, expert_parallel_size: int) -> None:
             raise ValueError(f"the MoE layer {path!r} has {total} experts, which expert_parallel_size="
                              f"{expert_parallel_size} does not divide; choose an expert_parallel_size that divides "
                              f"{total}.")
-        local, per_rank = len(container), total // expert_parallel_size
+        local, per_rank = local_expert_count(container), total // expert_parallel_size
         if local != per_rank:
             raise ValueError(f"the MoE layer {path!r} holds {local} local experts on this rank, but {total} experts "
                              f"over expert_parallel_size={expert_parallel_size} ranks is {per_rank} per rank; build "
@@ -70,7 +104,7 @@ def expert_key_map(module: nn.Module, expert_rank: int) -> dict[str, str]:
     keys = list(module.state_dict(keep_vars=True))
     for path, container in marked_containers(module).items():
         prefix = f"{path}." if path else ""
-        first = expert_rank * len(container)
+        first = expert_rank * local_expert_count(container)
         for key in keys:
             if not key.startswith(prefix):
                 continue

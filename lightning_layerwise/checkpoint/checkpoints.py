@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from ..experts import expert_key_predicate
+from ..experts import expert_key_predicate, grouped_expert_paths
 from .files import TorchFileIO, is_local_path, resolve
 from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
 from .named_state import local_optimizer_state, named_optimizer_state
@@ -184,6 +184,16 @@ class SessionCheckpoints:
     def check_save(self, target: str, storage_options: Any = None, call: str = "save", has_model: bool = True) -> None:
         """Refuses, before any work, a save :attr:`save_format` cannot make."""
         fmt = self.save_format
+        grouped = grouped_expert_paths(self.module) if self.expert_parallel_size > 1 and self.module is not None \
+            else []
+        if grouped:
+            # Each rank holds a slice of every stack, under one key: nothing global names a slice yet.
+            raise CheckpointError(
+                f"checkpoints of grouped experts (stacked in 3-D parameters: {grouped[:3]}) with "
+                f"expert_parallel_size={self.expert_parallel_size} are not supported yet: each rank holds a "
+                "different slice of each stack under the same key. Keep the experts in an nn.ModuleList marked "
+                "with llw.mark_experts (those reshard across expert-parallel sizes), or train with "
+                "expert_parallel_size=1.")
         if self.expert_parallel_size > 1 and not fmt.holds_every_expert:
             # Rank 0 holds only its own experts; a full file would need every rank's gathered to it.
             raise CheckpointError(

@@ -137,6 +137,7 @@ from .waiter import CollectiveError, Waiter  # noqa: F401  CollectiveError: its 
 from ..experts import marked_containers
 from ..layout import (DEFAULT_BUCKET_SIZE, Layout, ParamSpec, is_bucket_size, newton_schulz_cost, param_specs,
                       plan_layout)
+from ..optim.matrices import matrix_shapes, matrix_views
 from .process_groups import ProcessGroups, Ranks
 from .read_guard import READ_GUARDS, ReadGuard
 from . import read_guard
@@ -1139,7 +1140,13 @@ def layout_specs(module: nn.Module, elementwise: Callable[[str, nn.Parameter], b
     if elementwise is not None:
         user_elementwise = elementwise
         elementwise = lambda name, p: p.is_contiguous() and user_elementwise(name, p)  # noqa: E731
-    return param_specs(module, expert=expert, elementwise=elementwise)
+    views = matrix_views(module)
+
+    def matrices(name: str, p: nn.Parameter) -> tuple[tuple[int, int], ...] | None:
+        shapes = matrix_shapes(p.shape, views[id(p)]) if id(p) in views else []
+        return tuple(shapes) if len(shapes) > 1 else None  # one matrix: the cost's own (shape[0], rest) rule
+
+    return param_specs(module, expert=expert, elementwise=elementwise, matrices=matrices)
 
 
 def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucket_size: int,

@@ -54,6 +54,9 @@ class ParamSpec:
     elementwise: bool = False
     """Its optimizer update is element-wise (AdamW, SGD…), so it may be split across shards
     (Note [element-wise fill] in ``layout/packing.py``); otherwise it is owned whole."""
+    matrices: tuple[tuple[int, int], ...] | None = None
+    """The shapes of the matrices Newton–Schulz sees in it (a stack, blocks: Note [matrix views] in
+    ``optim/matrices.py``); ``None``: one ``(shape[0], rest)`` matrix."""
 
     @functools.cached_property
     def numel(self) -> int:  # computed once: the planner asks often (frozen: the cache bypasses __setattr__)
@@ -64,9 +67,12 @@ def newton_schulz_cost(spec: ParamSpec) -> float:
     """Approximate optimizer work for one parameter.
 
     A matrix (or a higher-dim kernel viewed as ``out x rest``) is orthogonalized
-    by Newton–Schulz, whose matmuls cost about ``min(m, n)^2 * max(m, n)``; any
-    other parameter is updated element-wise.
+    by Newton–Schulz, whose matmuls cost about ``min(m, n)^2 * max(m, n)``; a stack
+    or blocks (``spec.matrices``) cost the sum over their matrices; any other
+    parameter is updated element-wise.
     """
+    if spec.matrices is not None:
+        return float(sum(min(m, n) ** 2 * max(m, n) for m, n in spec.matrices))
     if len(spec.shape) >= 2:
         m = spec.shape[0]
         n = spec.numel // max(m, 1)
@@ -321,11 +327,14 @@ def is_bucket_size(value) -> bool:
 
 
 def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Parameter], bool] | None = None,
-                elementwise: Callable[[str, torch.nn.Parameter], bool] | None = None) -> list[ParamSpec]:
+                elementwise: Callable[[str, torch.nn.Parameter], bool] | None = None,
+                matrices: Callable[[str, torch.nn.Parameter], tuple[tuple[int, int], ...] | None] | None = None,
+                ) -> list[ParamSpec]:
     """Specs of ``module``'s trainable parameters in registration order (tied ones once).
 
     ``expert`` and ``elementwise`` are predicates on ``(name, parameter)`` that mark
-    expert parameters and those whose optimizer update is element-wise.
+    expert parameters and those whose optimizer update is element-wise; ``matrices``
+    gives the matrix shapes Newton–Schulz sees in a parameter (:attr:`ParamSpec.matrices`).
     """
     specs = []
     for name, p in module.named_parameters():
@@ -333,5 +342,6 @@ def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Paramet
             continue
         kind: Kind = "expert" if expert is not None and expert(name, p) else "dense"
         specs.append(ParamSpec(name, tuple(p.shape), p.dtype, kind,
-                               elementwise=bool(elementwise is not None and elementwise(name, p))))
+                               elementwise=bool(elementwise is not None and elementwise(name, p)),
+                               matrices=matrices(name, p) if matrices is not None else None))
     return specs

@@ -56,6 +56,23 @@ Note [chunked Newton-Schulz]
     its kernels by problem size, batch count included, so chunked and
     unchunked results may differ in rounding there (not measured).
 
+    A parameter of several matrices (a stack, blocks: Note [matrix views] in
+    ``optim/matrices.py``) may have them in several chunks: its momentum direction is
+    kept from its first chunk to its last, one parameter's worth beyond the budget.
+
+Note [NorMuon]
+    ``normuon=True`` follows NorMuon (Li, Liu, Liang, Chen, Zhao 2025, arXiv:2510.05491,
+    Algorithm 1) after Newton-Schulz, per matrix of the view (Note [matrix views] in
+    ``optim/matrices.py``): a float32 second moment per row (neuron),
+    ``v <- beta2 v + (1 - beta2) mean_cols(O * O)``, the update ``O / (sqrt(v) + eps)``
+    and the paper's step size ``0.2 lr sqrt(m n) / ||O_hat||_F``, which gives the update
+    an RMS of ``0.2 lr`` as AdamW's, so NorMuon's ``lr`` is on AdamW's scale and
+    ``adjust_lr`` does not apply. Momentum and weight decay are Muon's (the paper's
+    momentum is ``nesterov=False``). The state is ``second_moment``, one float32 per row of
+    each matrix (``m`` for an ``m x n`` matrix, ``E m`` for a stack of E): under the
+    layer-wise strategy it lives with the matrix's owner, as the momentum does, and
+    checkpoints carry it by parameter name like any other state.
+
 Note [defaults of the two group kinds]
     ``Optimizer.__init__`` fills every missing group key from ``defaults``, so
     a plain ``defaults["lr"]`` would hand the Muon lr to AdamW groups.
@@ -77,6 +94,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _functional_adamw
 
+from .matrices import MATRICES_ATTRIBUTE, PLAIN, MatrixView, check_view, matrix_blocks, matrix_shapes
+
 __all__ = [
     "DEFAULT_NS_BATCH_BYTES",
     "NS_SCHEDULES",
@@ -85,6 +104,8 @@ __all__ = [
     "muon_step",
     "muon_update",
     "newton_schulz",
+    "normuon_rows",
+    "second_moment_size",
     "newton_schulz_reference",
     "orthogonalize",
     "resolve_ns_coefficients",
@@ -374,6 +395,32 @@ def muon_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
+def normuon_rows(O: Tensor, second_moment: Tensor, beta2: float, eps: float) -> Tensor:
+    """NorMuon's per-neuron normalization of one orthogonalized matrix ``O`` (Li et al. 2025, arXiv:2510.05491,
+    Algorithm 1), in float32: ``v <- beta2 v + (1 - beta2) mean_cols(O * O)`` in place (``second_moment``, one
+    entry per row), then ``O_hat = O / (sqrt(v) + eps)`` scaled by ``0.2 sqrt(m n) / ||O_hat||_F``, the paper's
+    RMS-matching step size (the learning rate is applied by the caller). See Note [NorMuon]."""
+    O = O.float()
+    second_moment.lerp_(O.square().mean(dim=1), 1 - beta2)
+    normalized = O / (second_moment.sqrt() + eps).unsqueeze(1)
+    scale = 0.2 * math.sqrt(O.numel()) / torch.linalg.vector_norm(normalized).clamp(min=1e-30)
+    return normalized.mul_(scale)
+
+
+def _second_moment_rows(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each matrix's rows in a parameter's NorMuon state (one float per row of each matrix)."""
+    out, start = [], 0
+    for rows, _ in shapes:
+        out.append((start, start + rows))
+        start += rows
+    return out
+
+
+def second_moment_size(shape: Sequence[int], view: MatrixView | None = None) -> int:
+    """Elements of NorMuon's state for a parameter of ``shape``: one per row of each of its matrices."""
+    return sum(rows for rows, _ in matrix_shapes(shape, view))
+
+
 def muon_step(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -390,35 +437,73 @@ def muon_step(
     adjust_lr: AdjustLR | None,
     batched: bool,
     ns_batch_bytes: int | None = None,
+    views: Sequence[MatrixView | None] | None = None,
+    second_moments: Sequence[Tensor] | None = None,
+    normuon_beta2: float = 0.95,
+    normuon_eps: float = 1e-8,
 ) -> None:
     """One Muon step on lists of parameters (updated in place) and their momentum buffers.
 
-    For each parameter: momentum (:func:`muon_update`), Newton-Schulz on the
-    ``(out, rest)`` matrix view, decoupled weight decay ``p *= 1 - lr*wd`` (with the
-    unscaled lr, as torch), then ``p -= lr * adjust_lr_scale(shape) * O``.
-    Parameters are processed one Newton-Schulz chunk at a time (at most
-    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz]); each
-    parameter's update depends only on its own gradient and buffer, so the order
-    changes nothing.
+    For each parameter: momentum (:func:`muon_update`), decoupled weight decay ``p *= 1 - lr*wd`` (with the
+    unscaled lr, as torch), Newton-Schulz on each matrix of its view (``views[i]``, Note [matrix views]; ``None``:
+    one ``(out, rest)`` matrix), then ``block -= lr * adjust_lr_scale(block shape) * O`` for each matrix. With
+    ``second_moments`` (NorMuon, Note [NorMuon]) each ``O`` is normalized per row by :func:`normuon_rows` and the
+    paper's step size replaces ``adjust_lr``. Matrices are processed one Newton-Schulz chunk at a time (at most
+    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz]); each matrix's update depends only on
+    its own gradient and state, so the order changes nothing.
     """
     if not params:
         return
-    # Conv kernels (out, in, kh, kw) are orthogonalised as (out, in*kh*kw) matrices.
-    keys = [((b.size(0), b.numel() // max(b.size(0), 1)), b.dtype, b.device) for b in momentum_buffers]
+    views = list(views) if views is not None else [None] * len(params)
+    entries: list[tuple[int, int]] = []  # (parameter, matrix of its view)
+    keys = []
+    shapes = [matrix_shapes(b.shape, v) for b, v in zip(momentum_buffers, views)]
+    for i, b in enumerate(momentum_buffers):
+        for j, shape in enumerate(shapes[i]):
+            entries.append((i, j))
+            keys.append((shape, b.dtype, b.device))
+    left = [len(s) for s in shapes]
+    rows = [_second_moment_rows(s) for s in shapes] if second_moments is not None else []
+    directions: dict[int, list[Tensor]] = {}
+    targets: dict[int, tuple[Tensor, list[Tensor]]] = {}
     for idx, stacked in _ns_chunks(keys, ns_dtype, batched, ns_batch_bytes):
-        # One chunk at a time: its temporaries are dropped before the next chunk's are made.
-        directions = [muon_update(grads[i], momentum_buffers[i], momentum, nesterov) for i in idx]
-        matrices = [d.reshape(d.size(0), -1) for d in directions]
-        # Through orthogonalize (one stack, or the reference path for one matrix), which profilers and
-        # benchmarks/bench_strategies.py wrap to time Newton-Schulz.
-        ortho = orthogonalize(matrices, ns_steps, ns_coefficients, ns_eps, ns_dtype, batched=stacked)
-        del directions, matrices
-        for i, O in zip(idx, ortho):
+        # One chunk at a time: its temporaries (and a parameter's direction once its last matrix is done) are
+        # dropped before the next chunk's are made.
+        for e in idx:
+            i = entries[e][0]
+            if i in directions:
+                continue
+            direction = muon_update(grads[i], momentum_buffers[i], momentum, nesterov)
             p = params[i]
-            scaled_lr = lr * adjust_lr_scale(p.shape, adjust_lr)
             p.mul_(1 - lr * weight_decay)
-            # A bf16 O added to an fp32 p is promoted exactly, as in torch.optim.Muon.
-            p.add_(O.reshape(p.shape), alpha=-scaled_lr)
+            if len(shapes[i]) == 1:
+                # One matrix: the update is added to the parameter whole, whatever its strides (torch's path).
+                directions[i] = [direction.reshape(shapes[i][0])]
+            else:
+                work = p if p.is_contiguous() else p.contiguous()
+                directions[i] = matrix_blocks(direction.contiguous(), views[i])
+                targets[i] = (work, matrix_blocks(work, views[i]))
+        ortho = orthogonalize([directions[entries[e][0]][entries[e][1]] for e in idx], ns_steps, ns_coefficients,
+                              ns_eps, ns_dtype, batched=stacked)
+        for e, O in zip(idx, ortho):
+            i, j = entries[e]
+            p, shape = params[i], shapes[i][j]
+            if second_moments is not None:
+                start, stop = rows[i][j]
+                O, scaled_lr = normuon_rows(O, second_moments[i][start:stop], normuon_beta2, normuon_eps), lr
+            else:
+                scaled_lr = lr * adjust_lr_scale(shape, adjust_lr)
+            if i in targets:
+                targets[i][1][j].add_(O, alpha=-scaled_lr)
+            else:
+                # A bf16 O added to an fp32 p is promoted exactly, as in torch.optim.Muon.
+                p.add_(O.reshape(p.shape), alpha=-scaled_lr)
+            left[i] -= 1
+            if left[i] == 0:
+                directions.pop(i)
+                work, _ = targets.pop(i, (p, None))
+                if work is not p:
+                    p.copy_(work)
         del ortho
 
 
@@ -542,6 +627,13 @@ class Muon(Optimizer):
             a larger same-shape batch runs in chunks, with bitwise the same result and a
             peak memory set by this budget instead of by the number of matrices
             (Note [chunked Newton-Schulz]). ``None``: no limit, one stack per shape.
+        normuon, normuon_beta2, normuon_eps: NorMuon's per-row normalization after
+            Newton-Schulz (Note [NorMuon]); its ``lr`` is on AdamW's scale.
+
+    A Muon group's keys ``stack``, ``split`` and ``split_dim`` say how Newton-Schulz sees its
+    parameters (Note [matrix views] in ``optim/matrices.py``); :func:`muon_param_groups` sets
+    them from the model, and a plain iterable of tensors is grouped by the parameters'
+    :func:`mark_matrices` marks. A ``>= 3``-D parameter in a group without ``stack`` is refused.
     """
 
     def __init__(
@@ -562,6 +654,9 @@ class Muon(Optimizer):
         adamw_weight_decay: float = 0.0,
         batched: bool = True,
         ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
+        normuon: bool = False,
+        normuon_beta2: float = 0.95,
+        normuon_eps: float = 1e-8,
     ) -> None:
         where = "Muon: "
         _check_nonneg(where, "lr", lr, "0.02")
@@ -576,6 +671,7 @@ class Muon(Optimizer):
         _check_nonneg(where, "adamw_eps", adamw_eps, "1e-8")
         _check_nonneg(where, "adamw_weight_decay", adamw_weight_decay, "0.0")
         _check_batch_bytes(where, ns_batch_bytes)
+        _check_normuon(where, normuon, normuon_beta2, normuon_eps)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -592,21 +688,32 @@ class Muon(Optimizer):
             adamw_weight_decay=adamw_weight_decay,
             batched=batched,
             ns_batch_bytes=ns_batch_bytes,
+            normuon=normuon,
+            normuon_beta2=normuon_beta2,
+            normuon_eps=normuon_eps,
         )
         super().__init__(self._route_plain_params(params), defaults)
 
     @staticmethod
     def _route_plain_params(params: Any) -> Any:
-        """Split a plain iterable of tensors by ndim; pass dict groups through unchanged."""
+        """Split a plain iterable of tensors by ndim (the matrices by their :func:`mark_matrices` marks: one Muon
+        group per view); pass dict groups through unchanged."""
         if isinstance(params, Tensor):
             params = [params]
         params = list(params)
         if not params or isinstance(params[0], dict):
             return params
         tensors, _ = _split_names(params)
-        matrices = [p for p, t in zip(params, tensors) if t.ndim >= 2]
-        others = [p for p, t in zip(params, tensors) if t.ndim < 2]
-        groups = [{"params": matrices, "use_muon": True}, {"params": others, "use_muon": False}]
+        by_view: dict[MatrixView | None, list[Any]] = {}
+        for p, t in zip(params, tensors):
+            if t.ndim >= 2:
+                view = getattr(t, MATRICES_ATTRIBUTE, None)
+                by_view.setdefault(PLAIN if view is None and t.ndim == 2 else view, []).append(p)
+        groups = []
+        for view, ps in by_view.items():
+            plain = view == PLAIN and all(t.ndim == 2 for t in _split_names(ps)[0])
+            groups.append({"params": ps, "use_muon": True, **({} if plain else view_keys(view))})
+        groups.append({"params": [p for p, t in zip(params, tensors) if t.ndim < 2], "use_muon": False})
         return [g for g in groups if g["params"]]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -642,6 +749,7 @@ class Muon(Optimizer):
                         f"the group has use_muon=True; Newton-Schulz needs a matrix. Put it in a use_muon=False "
                         f"group or use muon_param_groups(model)"
                     )
+            _check_group_view(where, param_group, tensors, names)
         else:
             param_group.setdefault("lr", self.defaults["adamw_lr"])
             param_group.setdefault("betas", self.defaults["adamw_betas"])
@@ -673,6 +781,10 @@ class Muon(Optimizer):
                 _resolve_dtype(where, group["ns_dtype"])
             if "ns_batch_bytes" in group:
                 _check_batch_bytes(where, group["ns_batch_bytes"])
+            if any(k in group for k in ("normuon", "normuon_beta2", "normuon_eps")):
+                _check_normuon(where, group.get("normuon", self.defaults["normuon"]),
+                               group.get("normuon_beta2", self.defaults["normuon_beta2"]),
+                               group.get("normuon_eps", self.defaults["normuon_eps"]))
         else:
             _check_betas(where, "betas", group["betas"])
             _check_nonneg(where, "eps", group["eps"], "1e-8")
@@ -705,12 +817,20 @@ class Muon(Optimizer):
         params = self._params_with_grad(group)
         if any(torch.is_complex(p) for p in params):
             raise RuntimeError("Muon does not support complex parameters")
-        bufs = []
+        view = group_view(group)
+        # A group loaded from a state dict saved before these keys existed lacks them: Muon as it was then.
+        normuon = group.get("normuon", False)
+        bufs, moments = [], []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
+            if normuon:
+                if "second_moment" not in state:  # one float32 per row of each matrix (Note [NorMuon])
+                    state["second_moment"] = torch.zeros(second_moment_size(p.shape, view), dtype=torch.float32,
+                                                         device=p.device)
+                moments.append(state["second_moment"])
         muon_step(
             params,
             [p.grad for p in params],
@@ -727,6 +847,10 @@ class Muon(Optimizer):
             batched=group["batched"],
             # A group loaded from a state dict saved before this key existed lacks it.
             ns_batch_bytes=group.get("ns_batch_bytes", self.defaults["ns_batch_bytes"]),
+            views=[view] * len(params),
+            second_moments=moments if normuon else None,
+            normuon_beta2=group.get("normuon_beta2", 0.95),
+            normuon_eps=group.get("normuon_eps", 1e-8),
         )
 
     def _step_adamw(self, group: dict[str, Any]) -> None:
@@ -764,6 +888,56 @@ class Muon(Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def view_keys(view: MatrixView | None) -> dict[str, Any]:
+    """The Muon group keys that carry ``view`` (Note [matrix views]): ``stack``, ``split``, ``split_dim``."""
+    if view is None:
+        return {}
+    return {"stack": view.stack, "split": view.split, "split_dim": view.split_dim}
+
+
+def group_view(group: dict[str, Any]) -> MatrixView:
+    """The :class:`MatrixView` of a Muon group's parameters, from its keys (:func:`view_keys`); a group without
+    them (one of 2-D matrices, or loaded from a state dict that predates the keys) holds plain matrices, and a
+    ``>= 3``-D parameter in it is one ``(size(0), rest)`` matrix, as before the keys existed."""
+    if "stack" not in group and group.get("split") is None:
+        return _LEGACY_VIEW
+    stack = group.get("stack")
+    return MatrixView(stack=True if stack is None else bool(stack), split=group.get("split"),
+                      split_dim=group.get("split_dim", 0))
+
+
+_LEGACY_VIEW = MatrixView(stack=False)
+
+
+def _check_group_view(where: str, group: dict[str, Any], tensors: list[Any], names: list[str | None]) -> None:
+    """A Muon group says how Newton-Schulz sees each ``>= 3``-D parameter (Note [matrix views]), and its view fits
+    every parameter: raises before any step otherwise."""
+    split = group.get("split")
+    if isinstance(split, list):
+        group["split"] = split = tuple(split)  # from YAML or JSON
+    for i, t in enumerate(tensors):
+        if not isinstance(t, Tensor):
+            continue
+        if t.ndim > 2 and group.get("stack") is None:
+            raise ValueError(
+                f"{where}parameter {i}{_label(names[i])} has shape {tuple(t.shape)}: say how Newton-Schulz should see "
+                "it. Build the groups with muon_param_groups(model) (a convolution's weight is one (out, in*k...) "
+                "matrix, any other >= 3-D parameter a stack of matrices over its leading dimensions), mark it with "
+                "lightning_layerwise.mark_matrices(param, stack=True) (a stack, e.g. grouped experts) or "
+                "stack=False (a kernel), or set the group's 'stack' key.")
+        if "stack" in group or split is not None:
+            view = MatrixView(stack=bool(group.get("stack", True)), split=split, split_dim=group.get("split_dim", 0))
+            check_view(view, tuple(t.shape), f"{where}parameter {i}{_label(names[i])}")
+
+
+def _check_normuon(where: str, normuon: Any, beta2: Any, eps: Any) -> None:
+    if not isinstance(normuon, bool):
+        raise ValueError(f"{where}normuon={normuon!r} is invalid: it must be True or False")
+    if not isinstance(beta2, (int, float)) or isinstance(beta2, bool) or not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"{where}normuon_beta2={beta2!r} is invalid: it must lie in [0, 1), e.g. normuon_beta2=0.95")
+    _check_nonneg(where, "normuon_eps", eps, "1e-8")
 
 
 def _label(name: str | None) -> str:

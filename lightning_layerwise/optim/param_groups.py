@@ -23,16 +23,24 @@ Note [routing rules]
 
     A head under another name is routed with ``exclude=("my_head.*",)`` or
     ``param.use_muon = False``.
+
+    Each Muon parameter then gets its matrix view (Note [matrix views] in
+    ``optim/matrices.py``): a stack for a ``>= 3``-D parameter outside a
+    convolution, blocks where ``split`` names it or :func:`mark_matrices` marked
+    it. Muon parameters of one view share a group carrying the view's keys.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
+
+from .matrices import PLAIN, MatrixView, check_view, matrix_views
+from .muon import group_view, view_keys
 
 __all__ = ["HEAD_NAMES", "ParamRoute", "describe_param_groups", "muon_param_groups", "route_parameters"]
 
@@ -48,6 +56,8 @@ class ParamRoute:
     use_muon: bool
     reason: str
     aliases: tuple[str, ...] = ()  # further names of a tied parameter
+    view: MatrixView | None = None
+    """How Newton-Schulz sees it (Muon parameters only; Note [matrix views])."""
 
 
 def _is_head_path(path: str) -> bool:
@@ -68,11 +78,19 @@ def _check_module(module: Any, caller: str) -> None:
         )
 
 
-def route_parameters(module: nn.Module, exclude: Sequence[str] = ()) -> list[ParamRoute]:
-    """Apply Note [routing rules] to every trainable parameter of ``module``, in registration order."""
+def route_parameters(module: nn.Module, exclude: Sequence[str] = (),
+                     split: Mapping[str, int | Sequence[int]] | None = None) -> list[ParamRoute]:
+    """Apply Note [routing rules] to every trainable parameter of ``module``, in registration order.
+
+    ``split`` maps name patterns (``fnmatch``) to a block count or block sizes along the rows of each matrix:
+    ``{"*.c_attn.weight": 3}`` orthogonalizes a fused QKV as three matrices (Note [matrix views]); it wins over a
+    :func:`mark_matrices` mark's split.
+    """
     _check_module(module, "route_parameters")
     if isinstance(exclude, str):
         raise ValueError(f"exclude={exclude!r} is a string; pass a sequence of patterns, e.g. exclude=({exclude!r},)")
+    split = dict(split or {})
+    views = matrix_views(module)
     names_of: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
@@ -110,7 +128,21 @@ def route_parameters(module: nn.Module, exclude: Sequence[str] = ()) -> list[Par
             use_muon, reason = False, "output head"
         else:
             use_muon, reason = True, "hidden matrix"
-        routes.append(ParamRoute(name, p, use_muon, reason, aliases))
+        view = None
+        if use_muon:
+            view = views[id(p)]
+            pattern = next((pat for pat in split for n in names if fnmatch.fnmatchcase(n, pat)), None)
+            if pattern is not None:
+                blocks = split[pattern]
+                view = MatrixView(stack=view.stack, split=tuple(blocks) if isinstance(blocks, (list, tuple))
+                                  else blocks, split_dim=0)
+                check_view(view, tuple(p.shape), f"split[{pattern!r}] on parameter {name!r}")
+        routes.append(ParamRoute(name, p, use_muon, reason, aliases, view))
+    unused = [pat for pat in split if not any(fnmatch.fnmatchcase(n, pat) for r in routes if r.use_muon
+                                              for n in (r.name, *r.aliases))]
+    if unused:
+        raise ValueError(f"split={split!r}: the pattern(s) {unused} match no parameter routed to Muon; check the "
+                         "names with describe_param_groups(model, groups).")
     return routes
 
 
@@ -121,24 +153,40 @@ def muon_param_groups(
     adamw_lr: float | None = None,
     weight_decay: float | None = None,
     adamw_weight_decay: float | None = None,
+    split: Mapping[str, int | Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Param groups for :class:`~lightning_layerwise.optim.Muon` following Note [routing rules].
 
     Returns ``[{"params": [...], "use_muon": True}, {"params": [...], "use_muon": False}]``
-    without empty groups. ``lr``/``weight_decay`` are written into the Muon group and
+    without empty groups; Muon parameters with another matrix view than one plain matrix (a
+    stack, blocks; Note [matrix views]) get a Muon group per view, with the view's keys
+    (``stack``, ``split``, ``split_dim``). ``split`` maps name patterns to row blocks (see
+    :func:`route_parameters`). ``lr``/``weight_decay`` are written into the Muon groups and
     ``adamw_lr``/``adamw_weight_decay`` into the AdamW group (as ``"lr"``/``"weight_decay"``)
     when given; otherwise the optimizer's defaults apply.
     """
     _check_module(module, "muon_param_groups")
-    routes = route_parameters(module, exclude)
-    muon: dict[str, Any] = {"params": [r.param for r in routes if r.use_muon], "use_muon": True}
+    routes = route_parameters(module, exclude, split)
+    by_view: dict[MatrixView | None, list[Tensor]] = {}
+    for r in routes:
+        if r.use_muon:
+            one = r.param.ndim == 2 and r.view.split is None  # one matrix: batches with a stack's matrices
+            by_view.setdefault(PLAIN if one else r.view, []).append(r.param)
+    # A group of 2-D matrices alone needs no keys (and steps as before they existed).
+    muons = [{"params": ps, "use_muon": True,
+              **({} if view == PLAIN and all(p.ndim == 2 for p in ps) else view_keys(view))}
+             for view, ps in by_view.items()]
     adamw: dict[str, Any] = {"params": [r.param for r in routes if not r.use_muon], "use_muon": False}
-    for group, group_lr, group_wd in ((muon, lr, weight_decay), (adamw, adamw_lr, adamw_weight_decay)):
-        if group_lr is not None:
-            group["lr"] = group_lr
-        if group_wd is not None:
-            group["weight_decay"] = group_wd
-    return [g for g in (muon, adamw) if g["params"]]
+    for group in muons:
+        if lr is not None:
+            group["lr"] = lr
+        if weight_decay is not None:
+            group["weight_decay"] = weight_decay
+    if adamw_lr is not None:
+        adamw["lr"] = adamw_lr
+    if adamw_weight_decay is not None:
+        adamw["weight_decay"] = adamw_weight_decay
+    return [g for g in (*muons, adamw) if g["params"]]
 
 
 def describe_param_groups(module: nn.Module, groups: Iterable[dict[str, Any]], exclude: Sequence[str] = ()) -> str:
@@ -150,6 +198,7 @@ def describe_param_groups(module: nn.Module, groups: Iterable[dict[str, Any]], e
     """
     _check_module(module, "describe_param_groups")
     where: dict[int, tuple[int, str]] = {}
+    groups = list(groups)
     for gi, g in enumerate(groups):
         params = [g["params"]] if isinstance(g["params"], Tensor) else list(g["params"])
         kind = {True: "muon", False: "adamw"}.get(g.get("use_muon"), "?")  # type: ignore[arg-type]
@@ -157,7 +206,7 @@ def describe_param_groups(module: nn.Module, groups: Iterable[dict[str, Any]], e
             where[id(p[1] if isinstance(p, tuple) else p)] = (gi, kind)
     rules = {id(r.param): r for r in route_parameters(module, exclude)}
 
-    rows = [("name", "shape", "numel", "group", "reason")]
+    rows = [("name", "shape", "numel", "group", "matrices", "reason")]
     totals: dict[str, int] = {}
     for name, p in module.named_parameters():
         gi, kind = where.get(id(p), (None, "-"))
@@ -171,9 +220,12 @@ def describe_param_groups(module: nn.Module, groups: Iterable[dict[str, Any]], e
         if rule is not None and rule.aliases:
             reason += f"; also {', '.join(rule.aliases)}"
         label = f"{gi}:{kind}" if gi is not None else "-"
-        rows.append((name, "x".join(map(str, p.shape)) or "()", str(p.numel()), label, reason))
+        matrices = "-"
+        if kind == "muon":
+            matrices = group_view(groups[gi]).describe(tuple(p.shape))
+        rows.append((name, "x".join(map(str, p.shape)) or "()", str(p.numel()), label, matrices, reason))
         totals[label] = totals.get(label, 0) + p.numel()
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append("totals: " + ", ".join(f"{k} {v:,} params" for k, v in sorted(totals.items())))

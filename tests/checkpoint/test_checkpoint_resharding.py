@@ -56,8 +56,9 @@ class Net(L.LightningModule):
     def configure_optimizers(self):
         if self.hparams.optimizer == "adamw":
             opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        else:
-            opt = llw.Muon(llw.muon_param_groups(self), lr=0.02, adamw_lr=1e-2, ns_dtype=torch.float32)
+        else:  # "muon", or "normuon": NorMuon's per-row second moments are state that must reshard too
+            opt = llw.Muon(llw.muon_param_groups(self), lr=0.01 if self.hparams.optimizer == "normuon" else 0.02,
+                           adamw_lr=1e-2, ns_dtype=torch.float32, normuon=self.hparams.optimizer == "normuon")
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -141,6 +142,10 @@ def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_0
             inspected["replicas"] = 1 if wrapper is None else world // wrapper.owner_size
             inspected["owned"] = None if wrapper is None else len(list(wrapper.owned_parameters()))
             inspected["params_at_start"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+            names = {p: n for n, p in pl_module.named_parameters()}
+            # NorMuon's state as loaded: the norm of each second moment (0 would mean it was not restored)
+            inspected["second_moments"] = {names.get(p, "?"): float(s["second_moment"].norm())
+                                           for p, s in opt.state.items() if "second_moment" in s}
 
     make_trainer(world, strategy, fmt, bucket_size, callbacks=[Inspect()], owner_group_size=owner_group_size,
                  fill=fill).fit(model, loader(), ckpt_path=path)
@@ -200,6 +205,23 @@ def test_resume_at_another_world_size(tmp_path, fmt, optimizer, saved_at, resume
         assert r["only_owned"], f"rank {rank} holds optimizer state of parameters it does not own"
         assert_at_checkpoint(saved_params(path), r, f"{fmt} {saved_at}->{resumed_at} rank {rank}")
         assert_continues(reference, r, f"{fmt} {optimizer} {saved_at}->{resumed_at} rank {rank}")
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+@pytest.mark.parametrize("saved_at, resumed_at", [(2, 3), (3, 1)])
+def test_normuon_state_resumes_at_another_world_size(tmp_path, fmt, saved_at, resumed_at):
+    """The second moments (one float per row, not per element) follow their matrix's owner in both formats."""
+    reference = run_distributed(_run_worker, saved_at, "normuon", "layerwise", fmt, str(tmp_path))[0]
+    path = str(tmp_path / f"step={STEPS}.ckpt")
+    resumed = run_distributed(_resume_worker, resumed_at, "normuon", "layerwise", fmt, path)
+    for rank, r in enumerate(resumed):
+        assert r["only_owned"], f"rank {rank} holds optimizer state of parameters it does not own"
+        assert r["second_moments"] and all(n > 0 for n in r["second_moments"].values()), r["second_moments"]
+        assert_at_checkpoint(saved_params(path), r, f"{fmt} normuon {saved_at}->{resumed_at} rank {rank}")
+        assert_continues(reference, r, f"{fmt} normuon {saved_at}->{resumed_at} rank {rank}")
+    # every matrix's state on exactly one rank (one owner group)
+    owners = [n for r in resumed for n in r["second_moments"]]
+    assert sorted(owners) == ["hidden.weight", "inp.weight", "out.weight"], owners
 
 
 @pytest.mark.slow

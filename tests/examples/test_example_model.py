@@ -300,3 +300,24 @@ def test_module_errors():
     model = GPTLightningModule(optimizer=adamw(), **TINY)
     with pytest.raises(ValueError, match="no datamodule with a `vocab_size`"):
         model.configure_model()
+
+
+def test_muon_family_settings_come_back_from_a_checkpoint(text_file, tmp_path):
+    """``split_qkv`` and ``qk_clip_tau`` are hyperparameters: a checkpoint brings them back, and with them the
+    per-head groups and the QK-clip bound (whatever the world size: they are not per rank)."""
+    import lightning_layerwise as llw
+
+    dm = CharDataModule(text_path=text_file, block_size=16, batch_size=8, val_windows=8)
+    model = GPTLightningModule(vocab_size=dm.vocab_size, split_qkv="heads", qk_clip_tau=50.0,
+                               optimizer=lambda groups: llw.Muon(groups, normuon=True, lr=0.01), **TINY)
+    trainer = _trainer(max_steps=2)
+    trainer.fit(model, datamodule=dm)
+    assert model.qk_clip.tau == 50.0 and model.qk_clip.last_max_logits is not None
+    trainer.save_checkpoint(tmp_path / "family.ckpt")
+    loaded = GPTLightningModule.load_from_checkpoint(tmp_path / "family.ckpt",
+                                                     optimizer=lambda groups: llw.Muon(groups, normuon=True))
+    assert loaded.hparams.qk_clip_tau == 50.0 and loaded.hparams.split_qkv == "heads"
+    optimizer = loaded.configure_optimizers()
+    assert loaded.qk_clip.tau == 50.0
+    heads = TINY["n_head"]
+    assert any(g.get("split") == 3 * heads for g in optimizer.param_groups if g["use_muon"])

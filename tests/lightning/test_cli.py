@@ -141,3 +141,22 @@ def test_a_cli_value_outside_a_literal_choice_is_a_usage_error(cli_errors):
     assert re.search(r'error: Parser key "trainer\.strategy":.*Parser key "grad_reduce_dtype":.*'
                      r"Expected a typing\.Literal\['float32', 'bfloat16', 'float16'\].*Given value: float64",
                      output, re.S), output[-2000:]
+
+
+def test_the_muon_family_knobs_parse_from_the_command_line(tmp_path):
+    """Per-head split, QK-clip's bound, NorMuon and a schedule for the GPT; grouped experts for the MoE."""
+    result = subprocess.run([sys.executable, TRAIN, "fit", "--config", str(ROOT / "examples/configs/cpu.yaml"),
+                             "--model.split_qkv", "heads", "--model.qk_clip_tau", "100",
+                             "--model.optimizer.normuon", "true", "--model.optimizer.lr", "0.01",
+                             "--model.optimizer.ns_coefficients", "polar_express", "--print_config"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = yaml.safe_load(result.stdout)
+    assert printed["model"]["split_qkv"] == "heads" and printed["model"]["qk_clip_tau"] == 100.0
+    args = printed["model"]["optimizer"]["init_args"]
+    assert args["normuon"] is True and args["ns_coefficients"] == "polar_express" and args["lr"] == 0.01
+    result = subprocess.run([sys.executable, TRAIN_MOE, "fit", "--config", str(ROOT / "examples/configs/moe_cpu.yaml"),
+                             "--model.grouped_experts", "true", "--print_config"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert yaml.safe_load(result.stdout)["model"]["grouped_experts"] is True

@@ -239,8 +239,10 @@ def test_batched_optimizer_equals_per_matrix_with_conv_and_rectangles():
         nn.Linear(24, 24), nn.Linear(24, 10),
     )
     twin = copy.deepcopy(model)
-    fast = Muon(model.parameters(), ns_dtype=torch.float32, batched=True)
-    slow = Muon(twin.parameters(), ns_dtype=torch.float32, batched=False)
+    # muon_param_groups knows the convolutions (one (out, in*k*k) matrix each); a plain iterable cannot tell a
+    # kernel from a stack and is refused (test_matrix_views.py).
+    fast = Muon(muon_param_groups(model), ns_dtype=torch.float32, batched=True)
+    slow = Muon(muon_param_groups(twin), ns_dtype=torch.float32, batched=False)
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         x, y = torch.randn(4, 3, 8, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
@@ -362,7 +364,8 @@ def test_adjust_lr_scale_is_applied(mode, shape):
     p.grad = torch.randn(shape)
     start = p.detach().clone()
     # momentum=0 makes the direction the gradient itself.
-    Muon([p], lr=0.1, momentum=0.0, ns_dtype=torch.float32, adjust_lr=mode).step()
+    group = {"params": [p], "use_muon": True, "stack": False}  # a kernel: one (rows, cols) matrix
+    Muon([group], lr=0.1, momentum=0.0, ns_dtype=torch.float32, adjust_lr=mode).step()
     O = newton_schulz_reference(p.grad.reshape(rows, cols), 5, "simple", 1e-7, torch.float32).reshape(shape)
     torch.testing.assert_close(p.detach(), start - 0.1 * expected * O, rtol=1e-5, atol=1e-6)
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import lightning_layerwise.optim.muon as muon_module
-from lightning_layerwise.optim import Muon, newton_schulz, orthogonalize
+from lightning_layerwise.optim import Muon, mark_matrices, newton_schulz, orthogonalize
 from lightning_layerwise.optim.muon import DEFAULT_NS_BATCH_BYTES
 
 MiB = 2**20
@@ -37,11 +37,18 @@ def restore_threads():
 
 
 def make_params(seed: int = 0) -> list[nn.Parameter]:
-    """Many same-shaped matrices (wide, tall, a conv kernel) and one shape that occurs once."""
+    """Many same-shaped matrices (wide, tall, conv kernels, a stack of six 64x48 matrices in a group of its own,
+    cut into two stacks) and one shape that occurs once."""
     g = torch.Generator().manual_seed(seed)
-    shapes = ([(64, 48)] * 24 + [(48, 160)] * 6 + [(8, 4, 3, 3)] * 6 + [(384, 96)] * 5  # 384x96: tall, >32k
-              + [(20, 30)])
-    return [nn.Parameter(torch.randn(s, generator=g) / s[-1] ** 0.5) for s in shapes]
+    shapes = ([(64, 48)] * 21 + [(6, 64, 48)] + [(48, 160)] * 6 + [(8, 4, 3, 3)] * 6  # 6x64x48: a stack
+              + [(384, 96)] * 5 + [(20, 30)])  # 384x96: tall, >32k
+    params = [nn.Parameter(torch.randn(s, generator=g) / s[-1] ** 0.5) for s in shapes]
+    for p in params:
+        if p.ndim == 4:
+            mark_matrices(p, stack=False)  # a kernel: one (8, 36) matrix
+        elif p.ndim == 3:
+            mark_matrices(p, stack=True)
+    return params
 
 
 def set_grads(params: list[nn.Parameter], step: int) -> None:
@@ -79,7 +86,8 @@ def test_chunked_step_is_bitwise_the_unchunked_step(threads, ns_dtype, nesterov)
     opt_ref = run(reference, steps, ns_dtype=ns_dtype, nesterov=nesterov, ns_batch_bytes=None)
     budgets = [
         1,  # the shortest stacks: two matrices (three for an odd count)
-        # 64x48 in stacks of 5+5+5+5+4, 48x160 of 2+2+2, the conv kernels in one, 384x96 of 3+2
+        # per group: the 21 plain 64x48 in stacks of 5+4+4+4+4, the stack's six 64x48 in 3+3, 48x160 of 2+2+2,
+        # the conv kernels in one, 384x96 of 3+2
         stack_bytes(64, 48, 5, ns_dtype),
         stack_bytes(64, 48, 5, ns_dtype) + 7,  # a budget that is no multiple of a matrix
     ]

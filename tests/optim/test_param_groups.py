@@ -189,7 +189,7 @@ def test_describe_param_groups_table():
     model = GPTLike()
     table = describe_param_groups(model, muon_param_groups(model))
     lines = table.splitlines()
-    assert lines[0].split() == ["name", "shape", "numel", "group", "reason"]
+    assert lines[0].split() == ["name", "shape", "numel", "group", "matrices", "reason"]
     row = next(line for line in lines if line.startswith("wte.weight"))
     assert "1:adamw" in row and "embedding (tied); also lm_head.weight" in row
     row = next(line for line in lines if line.startswith("h.0.c_fc.weight"))

@@ -1,0 +1,145 @@
+"""QK-clip under data parallelism: the step's largest logits over every rank, and each owner rescaling its rows.
+
+Note [QK-clip across ranks]
+    The maths is Note [QK-clip] in ``optim/qk_clip.py``. Two things make it distributed:
+
+    * ``S_max`` is over the whole global batch: each rank's running maxima (every
+      micro-batch of the step) are concatenated into one small tensor and all-reduced
+      with ``MAX`` over the data-parallel group, so every rank computes the same
+      factors. On a GPU nothing waits on the host.
+    * Under the layer-wise wrapper each row is rescaled by the rank that steps it: the
+      tensor the optimizer holds (the parameter owned whole, this rank's piece of a
+      split one, or its float32 master), so the rescale rides the same all-gather as
+      the step's update and every rank ends with the same weights. The query and
+      key weights of one head may have two owners: each rescales its own.
+
+    :meth:`QKClip.attach` runs it as a step post-hook of the optimizer, so a step the
+    optimizer skips (a ``GradScaler`` that found an inf) skips the rescale too, and
+    its logits count towards the next step's maximum (the weights did not change).
+    The running maxima are cleared after every rescale.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..optim.qk_clip import ATTENTION_ATTRIBUTE, LOGITS_ATTRIBUTE, AttentionHeads, head_factors
+from . import collectives
+from .grad_sync import wrapper_of
+
+__all__ = ["QKClip"]
+
+
+class QKClip:
+    """QK-clip (MuonClip) for the attention modules of ``model`` declared with
+    :func:`~lightning_layerwise.optim.qk_clip.mark_attention` (Notes [QK-clip], [QK-clip across ranks]).
+
+    ``tau``: the logit bound (Kimi K2 used 100). ``group``: the data-parallel group the maxima are reduced over;
+    default: the group of the layer-wise wrapper training ``model``, else the default group if one is initialized.
+    Call :meth:`step` after each optimizer step, or :meth:`attach` it to the optimizer once.
+    """
+
+    def __init__(self, model: nn.Module, tau: float = 100.0, group: Any = "auto") -> None:
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not tau > 0:
+            raise ValueError(f"QKClip(tau={tau!r}): the logit bound must be a number > 0, e.g. tau=100.0.")
+        self.model, self.tau, self._group = model, float(tau), group
+        self.attentions: list[tuple[str, nn.Module, AttentionHeads]] = [
+            (path, m, getattr(m, ATTENTION_ATTRIBUTE)) for path, m in model.named_modules()
+            if hasattr(m, ATTENTION_ATTRIBUTE)]
+        if not self.attentions:
+            raise ValueError(f"QKClip: no module of {type(model).__name__} declares its attention heads; call "
+                             "lightning_layerwise.mark_attention(module, n_heads=..., head_dim=..., q=..., k=...) on "
+                             "each attention module and record_attention_logits(...) in its forward.")
+        self.last_max_logits: Tensor | None = None
+        """Every declared head's largest logit of the last clipped step, over all ranks (attention order)."""
+        self.clipped_heads: int | Tensor = 0
+        """How many heads the last step rescaled (a tensor: reading it syncs with the device)."""
+        self._handle = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.tau}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tau = float(state["tau"])
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> "QKClip":
+        """Runs :meth:`step` after every step of ``optimizer`` (a step post-hook); returns ``self``."""
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle = optimizer.register_step_post_hook(lambda *_: self.step())
+        return self
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _reduce_group(self, wrapper) -> Any:
+        if self._group != "auto":
+            return self._group
+        if wrapper is not None:
+            return wrapper.process_groups.dp
+        return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Rescales the heads whose largest logit since the last call exceeded ``tau`` (collective over the
+        data-parallel group when there is one: every rank calls it, as every rank steps)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        path, _, heads = self.attentions[0]
+        wrapper = wrapper_of(params[_join(path, heads.q)])
+        first = params[_join(path, heads.q)]
+        device = first.device
+        maxima = []
+        for _, module, heads in self.attentions:
+            held = getattr(module, LOGITS_ATTRIBUTE, None)
+            maxima.append(held.to(device) if held is not None else
+                          torch.full((heads.n_heads,), float("-inf"), device=device))
+            object.__setattr__(module, LOGITS_ATTRIBUTE, None)
+        s_max = torch.cat(maxima)
+        group = self._reduce_group(wrapper)
+        if group is not None and dist.get_world_size(group) > 1:
+            # Through the engine's dispatch, in program order with its other collectives on the group (the timing
+            # fuzzer queues them all on one thread per group; a direct call would overtake its queue).
+            collectives.all_reduce_max(s_max, group)
+        self.last_max_logits = s_max
+        self.clipped_heads = (s_max > self.tau).sum()
+        start = 0
+        for path, _, heads in self.attentions:
+            q_factor, k_factor = head_factors(s_max[start:start + heads.n_heads], self.tau, heads.n_kv_heads)
+            start += heads.n_heads
+            for role, factor, offset in (("q", q_factor, heads.q_offset), ("k", k_factor, heads.k_offset),
+                                         ("q_bias", q_factor, heads.q_offset), ("k_bias", k_factor, heads.k_offset)):
+                name = getattr(heads, role)
+                if name is not None:
+                    self._scale_rows(params[_join(path, name)], factor, offset, heads.head_dim, wrapper)
+
+    @staticmethod
+    def _scale_rows(param: Tensor, factor: Tensor, offset: int, head_dim: int, wrapper) -> None:
+        """Multiplies rows ``[offset + h*head_dim, offset + (h+1)*head_dim)`` of ``param`` by ``factor[h]``, in the
+        tensor this rank steps (Note [QK-clip across ranks])."""
+        rows = torch.ones(param.shape[0], device=factor.device, dtype=torch.float32)
+        rows[offset:offset + factor.numel() * head_dim] = factor.repeat_interleave(head_dim)
+        if wrapper is None:
+            target, piece = param, None
+        else:
+            unit = wrapper.unit_of(param)
+            if unit is None:  # another rank steps it
+                return
+            target, piece = unit.stepped, wrapper.piece_of(param) if unit.split else None
+        row_length = math.prod(param.shape[1:])  # from the shape alone: a sharded parameter is not read
+        if piece is None:
+            view = target.view(param.shape[0], -1)
+            view.mul_(rows.to(view.dtype).unsqueeze(1))
+        else:  # a piece: elements [start, stop) of the flattened parameter
+            flat = rows.repeat_interleave(row_length)[piece.start:piece.stop]
+            target.view(-1).mul_(flat.to(target.dtype))
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

@@ -1,0 +1,287 @@
+"""Stacked and split matrices, NorMuon and QK-clip in one process, against the papers' formulas (``_muon_family.py``).
+
+* ``llw.Muon`` on :class:`FamilyNet` (experts stacked in 3-D parameters, a fused QKV per head, a query per head)
+  equals the reference written from the formulas to <= 1e-5 (float32 Newton-Schulz, 10 steps): Muon, NorMuon,
+  and Muon with QK-clip firing; the same model with the stacks flattened or the split undone does not (the
+  comparison can fail).
+* QK-clip rescales the heads over ``tau`` and leaves every other row bitwise alone; the logits helper equals the
+  logits written out, with masks and grouped-query attention.
+* Bad marks and groups are refused before any step, naming the parameter and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_layerwise as llw
+from _dist import reference_threads
+from _muon_family import (HD, FamilyNet, attention, batches, loss_fn, package_optimizer, reference_run,
+                          rel_err, train_one_process)
+from lightning_layerwise.optim import (MatrixView, describe_param_groups, matrix_shapes, max_attention_logits,
+                                       muon_param_groups)
+
+STEPS = 10
+TAU = 30.0  # the hot heads' logits start near 90 and 62, the others near 1.5
+
+
+def package_run(variant: str, model: nn.Module | None = None, steps: int = STEPS) -> dict:
+    model = model if model is not None else FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model, normuon=variant == "normuon")
+    clip = llw.QKClip(model, tau=TAU).attach(opt) if variant == "qkclip" else None
+    clipped = []
+    with reference_threads():
+        result = train_one_process(model, opt, steps,
+                                   after_step=lambda: clipped.append(int(clip.clipped_heads) if clip else 0))
+    return {**result, "clipped": clipped, "opt": opt}
+
+
+def reference(variant: str) -> dict:
+    with reference_threads():
+        return reference_run(variant, STEPS, tau=TAU if variant == "qkclip" else None)
+
+
+def worst(result: dict, ref: dict) -> tuple[str, float]:
+    errs = {n: rel_err(v, ref["params"][n]) for n, v in result["params"].items()}
+    name = max(errs, key=errs.get)
+    return name, errs[name]
+
+
+@pytest.mark.parametrize("variant", ["muon", "normuon", "qkclip"])
+def test_the_family_equals_the_papers_formulas(variant):
+    ref = reference(variant)
+    result = package_run(variant)
+    name, err = worst(result, ref)
+    assert err <= 1e-5, f"{variant}: {name} differs from the reference by {err:.2e}"
+    assert max(abs(a - b) for a, b in zip(result["losses"], ref["losses"])) <= 1e-5 * max(ref["losses"])
+    if variant == "qkclip":
+        assert result["clipped"][0] == 2, result["clipped"]  # the two hot heads, on the first step
+    print(f"{variant}: max rel err {err:.2e} ({name})")
+
+
+def test_flattened_stacks_or_unsplit_heads_do_not_match_the_reference():
+    """The reference test can fail: Muon on the stacks as (E, rest) matrices, or on the fused QKV as one matrix."""
+    ref = reference("muon")
+    flat = FamilyNet(hot_heads=(1, 3))
+    for name in ("up", "down"):
+        llw.mark_matrices(flat, name, stack=False)
+    name, err = worst(package_run("muon", flat), ref)
+    assert err > 1e-3 and name in ("up", "down"), (name, err)
+    whole = FamilyNet(hot_heads=(1, 3))
+    llw.mark_matrices(whole.att1.qkv, "weight")  # one 48x16 matrix
+    errs = {n: rel_err(v, ref["params"][n]) for n, v in package_run("muon", whole)["params"].items()}
+    assert errs["att1.qkv.weight"] > 1e-3, errs
+
+
+def test_matrix_views_by_the_rule_and_in_the_table():
+    model = FamilyNet()
+    conv = nn.Conv2d(3, 8, 3)
+    container = nn.ModuleDict({"family": model, "conv": conv})
+    groups = muon_param_groups(container)
+    views = {id(p): (g.get("stack"), g.get("split")) for g in groups if g["use_muon"] for p in g["params"]}
+    assert views[id(model.up)] == (True, None)
+    assert views[id(model.att1.qkv.weight)] == (True, 12)
+    assert views[id(conv.weight)] == (False, None)
+    assert matrix_shapes((E := 4, 32, 16), MatrixView()) == [(32, 16)] * E
+    assert matrix_shapes((8, 3, 3, 3), MatrixView(stack=False)) == [(8, 27)]
+    assert matrix_shapes((48, 16), MatrixView(split=12)) == [(4, 16)] * 12
+    assert matrix_shapes((2, 6, 16), MatrixView(split=(2, 4), split_dim=0)) == [(2, 16), (4, 16)] * 2
+    assert matrix_shapes((6, 16), MatrixView(split=4, split_dim=1)) == [(6, 4)] * 4
+    table = describe_param_groups(container, groups)
+    row = {line.split()[0]: line for line in table.splitlines()}
+    assert "4 x 32x16" in row["family.up"]
+    assert "12 x 4x16" in row["family.att1.qkv.weight"]
+    assert "8x27 (flattened)" in row["conv.weight"]
+    # split patterns for models one cannot mark, and a stack or split is batched with the same-shape matrices
+    plain = nn.Sequential(nn.Linear(16, 48, bias=False), nn.Linear(48, 16, bias=False))
+    groups = muon_param_groups(plain, split={"0.weight": 3})
+    assert [(g.get("split"), len(g["params"])) for g in groups] == [(3, 1), (None, 1)]
+
+
+def test_normuon_state_is_one_float_per_row_of_each_matrix_and_round_trips():
+    model = FamilyNet()
+    result = package_run("normuon", model, steps=2)
+    opt = result["opt"]
+    state = opt.state
+    assert state[model.up]["second_moment"].shape == (4 * 32,)  # 4 experts of 32 rows
+    assert state[model.att1.qkv.weight]["second_moment"].shape == (48,)  # 12 blocks of 4 rows
+    assert state[model.att1.o.weight]["second_moment"].dtype == torch.float32
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    twin = copy.deepcopy(model)
+    resumed = package_optimizer(twin, normuon=True)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert all(g["normuon"] for g in resumed.param_groups if g["use_muon"])
+    for tokens in batches(2, seed=9):
+        for m, o in ((model, opt), (twin, resumed)):
+            o.zero_grad()
+            loss_fn(m, tokens).backward()
+            o.step()
+    for (n, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a, b), n
+
+
+def test_qk_clip_rescales_the_heads_over_tau_and_nothing_else():
+    model = FamilyNet(hot_heads=(1, 3))
+    clip = llw.QKClip(model, tau=TAU)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        loss_fn(model, batches(1)[0])
+    s_att2 = model.att2.reference_max.clone()
+    torch.testing.assert_close(model.att2.llw_max_logits, s_att2, rtol=1e-6, atol=1e-6)
+    assert (s_att2[[1, 3]] > TAU).all() and (s_att2[[0, 2]] < TAU).all() and (model.att1.reference_max < TAU).all()
+    clip.step()
+    assert int(clip.clipped_heads) == 2
+    after = dict(model.named_parameters())
+    for n in before:
+        if n not in ("att2.q.weight", "att2.k.weight", "att2.q.bias"):
+            assert torch.equal(after[n], before[n]), n  # att1's heads stayed under tau
+    for n in ("att2.q.weight", "att2.k.weight", "att2.q.bias"):
+        for h in range(4):
+            rows = slice(h * HD, (h + 1) * HD)
+            if h in (1, 3):
+                factor = math.sqrt(TAU / s_att2[h].item())
+                torch.testing.assert_close(after[n][rows], before[n][rows] * factor, rtol=1e-6, atol=0)
+            else:
+                assert torch.equal(after[n][rows], before[n][rows]), (n, h)
+    # the logits of the rescaled heads are now at tau; the running maxima were cleared
+    assert model.att2.llw_max_logits is None
+    with torch.no_grad():
+        loss_fn(model, batches(1)[0])
+    torch.testing.assert_close(model.att2.llw_max_logits[[1, 3]], torch.tensor([TAU, TAU]), rtol=1e-5, atol=0)
+
+
+def test_max_attention_logits_follows_the_masks_and_grouped_heads():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 6, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)  # 2 key heads for 4
+    full = q @ k.repeat_interleave(2, dim=1).transpose(-2, -1) / math.sqrt(8)
+    torch.testing.assert_close(max_attention_logits(q, k), full.amax(dim=(0, 2, 3)))
+    mask = torch.rand(6, 5, generator=g) > 0.5
+    mask[:, 0] = True
+    want = full.masked_fill(~mask, float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(max_attention_logits(q, k, attn_mask=mask), want)
+    additive = torch.zeros(6, 5).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(max_attention_logits(q, k, attn_mask=additive, chunk=4), want)
+    qs, ks, vs = torch.randn(3, 4, 7, 8, generator=g), torch.randn(3, 4, 7, 8, generator=g), torch.randn(3, 4, 7, 8)
+    _, written_out = attention(qs, ks, vs)
+    torch.testing.assert_close(max_attention_logits(qs, ks, is_causal=True, chunk=3), written_out)
+
+
+def test_bad_marks_and_groups_are_refused_before_any_step():
+    conv = nn.Conv2d(3, 8, 3)
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(8, 3, 3, 3\): say how Newton-Schulz should "
+                                         r"see it.*muon_param_groups\(model\).*mark_matrices"):
+        llw.Muon(conv.parameters())
+    with pytest.raises(ValueError, match=r"rows \(48\) do not split into 5 equal blocks"):
+        llw.mark_matrices(nn.Linear(16, 48).weight, split=5)
+    with pytest.raises(ValueError, match=r"split=\(10, 10\) must be positive sizes adding up to its 48 rows"):
+        llw.mark_matrices(nn.Linear(16, 48).weight, split=(10, 10))
+    with pytest.raises(ValueError, match=r"the pattern\(s\) \['nope\.\*'\] match no parameter routed to Muon"):
+        muon_param_groups(FamilyNet(), split={"nope.*": 3})
+    with pytest.raises(ValueError, match=r"param group 0: parameter 0 .* do not split into 7 equal blocks"):
+        llw.Muon([{"params": [nn.Linear(16, 48).weight], "use_muon": True, "split": 7}])
+    with pytest.raises(ValueError, match=r"normuon_beta2=1.0 is invalid"):
+        llw.Muon(nn.Linear(4, 4).parameters(), normuon=True, normuon_beta2=1.0)
+    with pytest.raises(ValueError, match=r"mark_attention\(q='query.weight'\): Linear has no parameter"):
+        llw.mark_attention(nn.Linear(4, 4), n_heads=2, head_dim=2, q="query.weight", k="weight")
+    with pytest.raises(ValueError, match=r"too few for 2 heads of 4 from row 2"):
+        llw.mark_attention(nn.Linear(4, 8), n_heads=2, head_dim=4, q="weight", k="weight", k_offset=2)
+    with pytest.raises(ValueError, match=r"no module of Linear declares its attention heads"):
+        llw.QKClip(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"QKClip\(tau=0\)"):
+        llw.QKClip(FamilyNet(), tau=0)
+
+
+def test_a_step_the_optimizer_skips_skips_the_clip():
+    model = FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model)
+    llw.QKClip(model, tau=TAU).attach(opt)
+    with torch.no_grad():
+        loss_fn(model, batches(1)[0])
+    before = model.att2.q.weight.detach().clone()
+    scaler = torch.amp.GradScaler("cpu")
+    loss = loss_fn(model, batches(1)[0])
+    scaler.scale(loss).backward()
+    model.att2.q.weight.grad[0, 0] = float("inf")  # the scaler finds an inf and skips the step
+    scaler.step(opt)
+    assert torch.equal(model.att2.q.weight, before)
+    assert model.att2.llw_max_logits is not None  # kept for the next step: the weights did not change
+
+
+
+def test_a_mark_through_the_module_survives_a_deep_copy():
+    """FamilyNet marks through its modules; a mark set on the parameter is lost by ``copy.deepcopy`` (torch copies
+    no attribute of a parameter), as docs/muon.md says."""
+    model = FamilyNet()
+    llw.mark_matrices(model.att2.v.weight, split=4)
+    twin = copy.deepcopy(model)
+
+    def splits(m):
+        return {n: g.get("split") for g in muon_param_groups(m) for n, p in m.named_parameters()
+                for q in g["params"] if q is p}
+
+    assert splits(model)["att2.v.weight"] == 4
+    assert splits(twin)["att1.qkv.weight"] == 12 and splits(twin)["att2.q.weight"] == 4
+    assert splits(twin)["att2.v.weight"] is None
+    with pytest.raises(ValueError, match=r"name one parameter of the module itself"):
+        llw.mark_matrices(model, "att1.qkv.weight", split=3)
+
+
+def test_the_layout_costs_each_matrix_of_a_view():
+    """The planner balances Newton-Schulz work: a stack or blocks cost the sum over their matrices."""
+    from lightning_layerwise.engine.data_parallel import layout_specs
+    from lightning_layerwise.layout import newton_schulz_cost
+
+    specs = {s.name: s for s in layout_specs(FamilyNet())}
+    assert specs["up"].matrices == ((32, 16),) * 4
+    assert newton_schulz_cost(specs["up"]) == 4 * 16 ** 2 * 32  # flattened it would be 4^2 * 512
+    assert specs["att1.qkv.weight"].matrices == ((4, 16),) * 12
+    assert newton_schulz_cost(specs["att1.qkv.weight"]) == 12 * 4 ** 2 * 16
+    assert specs["att1.o.weight"].matrices is None and newton_schulz_cost(specs["att1.o.weight"]) == 16 ** 3
+
+
+def test_qk_clip_takes_the_largest_logit_over_every_micro_batch():
+    """Two micro-batches per step (gradients accumulated): the running maximum covers both, so the run equals
+    the reference on whole batches."""
+    ref = reference("qkclip")
+    model = FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model)
+    llw.QKClip(model, tau=TAU).attach(opt)
+    with reference_threads():
+        for tokens in batches(STEPS):
+            opt.zero_grad()
+            for half in tokens.chunk(2):
+                (loss_fn(model, half) / 2).backward()
+            opt.step()
+    name, err = worst({"params": {n: p.detach() for n, p in model.named_parameters()}}, ref)
+    assert err <= 1e-5, (name, err)
+
+
+def test_a_stack_of_fused_matrices_is_cut_into_blocks_of_each_matrix():
+    """A 3-D fused parameter (two experts, each a fused [2 + 4, 16] matrix) under stack and split: every block
+    of every expert orthogonalized alone, scaled by its own shape (torch's momentum form, float64 reference)."""
+    from _muon_family import ns5
+
+    g = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(2, 6, 16, generator=g))
+    grad = torch.randn(2, 6, 16, generator=g)
+    want = p.detach().clone()
+    group = {"params": [p], "use_muon": True, "stack": True, "split": (2, 4)}
+    opt = llw.Muon([group], lr=0.1, momentum=0.9, nesterov=True, ns_dtype=torch.float32,
+                   ns_coefficients=(3.4445, -4.7750, 2.0315))
+    p.grad = grad.clone()
+    opt.step()
+    for e in range(2):
+        for rows in (slice(0, 2), slice(2, 6)):
+            G = grad[e, rows]
+            direction = 0.1 * G + 0.9 * (0.1 * G)  # B = 0.1 G from zero; D = (1 - mu) G + mu B
+            O = ns5(direction)
+            m, n = O.shape
+            want[e, rows] -= 0.1 * math.sqrt(max(1.0, m / n)) * O
+    torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
