@@ -7,6 +7,7 @@ Run from the repository root (after ``bash scripts/setup_env.sh test``)::
 
     # 8 GPUs (NCCL), Muon for the matrices and AdamW for the rest; a sharded checkpoint at the end
     torchrun --nproc-per-node 8 examples/torch_train.py --steps 2000 --optimizer muon --save runs/torch.ckpt
+    torchrun --nproc-per-node 8 examples/torch_train.py --normuon --split-qkv heads --qk-clip-tau 100
 
 The loop is what a ``DistributedDataParallel`` user writes, with a ``LayerwiseSession`` around
 it: ``session.wrap(model, optimizer)`` (the layout splits what the optimizer updates
@@ -38,8 +39,8 @@ from examples.gpt import GPT, GPTConfig  # noqa: E402
 
 def make_optimizer(name: str, model: torch.nn.Module, **muon_options) -> torch.optim.Optimizer:
     if name == "muon":
-        return llw.Muon(llw.muon_param_groups(model), lr=0.02, adamw_lr=3e-3, adamw_weight_decay=0.1,
-                        **muon_options)
+        options = {"lr": 0.02, "adamw_lr": 3e-3, "adamw_weight_decay": 0.1, **muon_options}
+        return llw.Muon(llw.muon_param_groups(model), **options)
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
 
 
@@ -92,6 +93,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="global batch (rows), divisible by the world size")
     parser.add_argument("--block", type=int, default=128)
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="muon")
+    parser.add_argument("--normuon", action="store_true", help="Muon with NorMuon's per-row normalization (lr 0.01)")
+    parser.add_argument("--split-qkv", choices=("none", "qkv", "heads"), default="none",
+                        help="how Muon sees each fused QKV weight: one matrix, three, or one per head")
+    parser.add_argument("--qk-clip-tau", type=float, help="QK-clip: rescale the heads whose logits exceed this")
     parser.add_argument("--save", help="write a checkpoint here at the end (a directory: each rank writes its part)")
     parser.add_argument("--resume", help="continue from this checkpoint (any world size)")
     args = parser.parse_args()
@@ -103,8 +108,12 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=args.block)).to(device)
-    optimizer = make_optimizer(args.optimizer, model)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=128, block_size=args.block,
+                          split_qkv=args.split_qkv, qk_clip=args.qk_clip_tau is not None)).to(device)
+    muon_options = {"normuon": True, "lr": 0.01} if args.normuon else {}
+    optimizer = make_optimizer(args.optimizer, model, **muon_options)
+    if args.qk_clip_tau is not None:  # after every optimizer step, on the ranks stepping the query and key rows
+        llw.QKClip(model, tau=args.qk_clip_tau).attach(optimizer)
     start = time.perf_counter()
     batches = (t.to(device) for t in text_batches(args.steps, args.batch, args.block))
     losses, norms = train(model, optimizer, batches, rank, world, save=args.save, resume=args.resume)

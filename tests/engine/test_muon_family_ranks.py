@@ -13,7 +13,9 @@ Newton-Schulz against float64, relative error <= 1e-5):
   every rank ends bitwise equal; with AdamW for every parameter the query and key weights are split into
   pieces over the ranks (element-wise fill), and each rank scales the rows of its piece;
 * the example MoE GPT with grouped (3-D) experts, E=4 on 4 ranks with expert-parallel size 2, Muon and NorMuon,
-  against the reference holding every expert.
+  against the reference holding every expert;
+* NorMuon and QK-clip in a Fabric loop and in a plain torch loop over ``LayerwiseSession``; QK-clip under
+  ``bf16-true``, where the optimizer steps float32 masters.
 """
 
 from __future__ import annotations
@@ -311,3 +313,33 @@ def test_qk_clip_on_float32_masters_reaches_the_bf16_parameters():
         for h in (1, 3):
             for clipped in (bf16, fp32):
                 assert clipped[rank][h] < 0.6 * unclipped[rank][h], (rank, h, bf16[rank], fp32[rank], unclipped[rank])
+
+
+# --- a plain torch loop over LayerwiseSession -----------------------------------------------------------------------
+
+
+def _session_worker(rank: int, world: int, variant: str) -> dict:
+    import lightning_layerwise as llw
+
+    model = FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model, normuon=variant == "normuon")
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=600))
+    wrapped = session.wrap(model, opt)
+    if variant == "qkclip":
+        QKClip(model, tau=TAU).attach(opt)
+    for tokens in batches(STEPS):
+        opt.zero_grad()
+        session.backward(loss_fn(wrapped, tokens.chunk(world)[rank]))
+        session.step(opt)
+    session.release()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["normuon", "qkclip"])
+def test_normuon_and_qk_clip_in_a_plain_torch_session_equal_the_papers_formulas(variant):
+    ref = reference(variant)
+    for rank, params in enumerate(run_distributed(_session_worker, 3, variant)):
+        for name, value in params.items():
+            err = rel_err(value, ref["params"][name])
+            assert err <= 1e-5, f"session {variant}, rank {rank}: {name} differs by {err:.2e}"
