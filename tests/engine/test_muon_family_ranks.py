@@ -343,3 +343,54 @@ def test_normuon_and_qk_clip_in_a_plain_torch_session_equal_the_papers_formulas(
         for name, value in params.items():
             err = rel_err(value, ref["params"][name])
             assert err <= 1e-5, f"session {variant}, rank {rank}: {name} differs by {err:.2e}"
+
+
+def _resume_worker(rank: int, world: int, path: str, phase: str, fmt: str) -> dict:
+    """NorMuon with QK-clip in a session loop: ``phase="save"`` trains the first half of the batches and saves the
+    model, the optimizer (NorMuon's second moments) and QK-clip's settings; ``"resume"`` loads them at this world
+    size into a run built with another ``tau``, and trains the second half."""
+    import lightning_layerwise as llw
+
+    model = FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model, normuon=True)
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=600, checkpoint_format=fmt))
+    wrapped = session.wrap(model, opt)
+    clip = QKClip(model, tau=TAU if phase == "save" else 1e9).attach(opt)
+    half = STEPS // 2
+    if phase == "resume":
+        clip.load_state_dict(session.load_checkpoint(path)["qk_clip"])
+    for tokens in batches(STEPS)[half:] if phase == "resume" else batches(STEPS)[:half]:
+        opt.zero_grad()
+        session.backward(loss_fn(wrapped, tokens.chunk(world)[rank]))
+        session.step(opt)
+    if phase == "save":
+        session.save_checkpoint(path, qk_clip=clip.state_dict())
+    session.release()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "tau": clip.tau,
+            "moments": sum(1 for s in opt.state.values() if "second_moment" in s)}
+
+
+@functools.cache
+def normuon_qk_clip_reference() -> dict:
+    from _muon_family import ReferenceOptimizer, train_one_process
+
+    model = FamilyNet(hot_heads=(1, 3))
+    with reference_threads():
+        return train_one_process(model, ReferenceOptimizer(model, normuon=True, tau=TAU), STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_normuon_state_and_qk_clip_settings_resume_at_another_world_size(tmp_path, fmt):
+    """Saved at 2 ranks after 5 steps, resumed at 3 for the other 5: the run of the formulas' reference with NorMuon
+    and QK-clip throughout (the resumed clip's tau comes from the checkpoint, not from its constructor)."""
+    path = str(tmp_path / "family.ckpt")
+    run_distributed(_resume_worker, 2, path, "save", fmt)
+    resumed = run_distributed(_resume_worker, 3, path, "resume", fmt)
+    ref = normuon_qk_clip_reference()
+    for rank, r in enumerate(resumed):
+        assert r["tau"] == TAU
+        for name, value in r["params"].items():
+            err = rel_err(value, ref["params"][name])
+            assert err <= 1e-5, f"{fmt} 2->3 ranks, rank {rank}: {name} differs by {err:.2e}"
+    assert sum(r["moments"] for r in resumed) == 8  # each Muon parameter's second moment on one rank
