@@ -55,6 +55,22 @@ class QKClip:
             raise ValueError(f"QKClip: no module of {type(model).__name__} declares its attention heads; call "
                              "lightning_layerwise.mark_attention(module, n_heads=..., head_dim=..., q=..., k=...) on "
                              "each attention module and record_attention_logits(...) in its forward.")
+        params = dict(model.named_parameters(remove_duplicate=False))
+        self._rows: list[tuple[Tensor, list[tuple[int, str, int, int]]]] = []
+        """Each parameter holding query or key rows, once (a fused QKV holds both), with its ranges: (attention,
+        "q" or "k", first row, head_dim). Resolved here: the step looks nothing up."""
+        for a, (path, _, heads) in enumerate(self.attentions):
+            for role, kind, offset in (("q", "q", heads.q_offset), ("k", "k", heads.k_offset),
+                                       ("q_bias", "q", heads.q_offset), ("k_bias", "k", heads.k_offset)):
+                name = getattr(heads, role)
+                if name is None:
+                    continue
+                param = params[_join(path, name)]
+                entry = next((e for e in self._rows if e[0] is param), None)
+                if entry is None:
+                    entry = (param, [])
+                    self._rows.append(entry)
+                entry[1].append((a, kind, offset, heads.head_dim))
         self.last_max_logits: Tensor | None = None
         """Every declared head's largest logit of the last clipped step, over all ranks (attention order)."""
         self.clipped_heads: int | Tensor = 0
@@ -90,11 +106,8 @@ class QKClip:
     def step(self) -> None:
         """Rescales the heads whose largest logit since the last call exceeded ``tau`` (collective over the
         data-parallel group when there is one: every rank calls it, as every rank steps)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        path, _, heads = self.attentions[0]
-        wrapper = wrapper_of(params[_join(path, heads.q)])
-        first = params[_join(path, heads.q)]
-        device = first.device
+        first = self._rows[0][0]
+        wrapper, device = wrapper_of(first), first.device
         maxima = []
         for _, module, heads in self.attentions:
             held = getattr(module, LOGITS_ATTRIBUTE, None)
@@ -109,22 +122,22 @@ class QKClip:
             collectives.all_reduce_max(s_max, group)
         self.last_max_logits = s_max
         self.clipped_heads = (s_max > self.tau).sum()
-        start = 0
-        for path, _, heads in self.attentions:
+        factors, start = [], 0
+        for _, _, heads in self.attentions:
             q_factor, k_factor = head_factors(s_max[start:start + heads.n_heads], self.tau, heads.n_kv_heads)
+            factors.append({"q": q_factor, "k": k_factor})
             start += heads.n_heads
-            for role, factor, offset in (("q", q_factor, heads.q_offset), ("k", k_factor, heads.k_offset),
-                                         ("q_bias", q_factor, heads.q_offset), ("k_bias", k_factor, heads.k_offset)):
-                name = getattr(heads, role)
-                if name is not None:
-                    self._scale_rows(params[_join(path, name)], factor, offset, heads.head_dim, wrapper)
+        for param, ranges in self._rows:
+            rows = torch.ones(param.shape[0], device=device, dtype=torch.float32)
+            for a, kind, offset, head_dim in ranges:
+                factor = factors[a][kind]
+                rows[offset:offset + factor.numel() * head_dim] = factor.repeat_interleave(head_dim)
+            self._scale_rows(param, rows, wrapper)
 
     @staticmethod
-    def _scale_rows(param: Tensor, factor: Tensor, offset: int, head_dim: int, wrapper) -> None:
-        """Multiplies rows ``[offset + h*head_dim, offset + (h+1)*head_dim)`` of ``param`` by ``factor[h]``, in the
-        tensor this rank steps (Note [QK-clip across ranks])."""
-        rows = torch.ones(param.shape[0], device=factor.device, dtype=torch.float32)
-        rows[offset:offset + factor.numel() * head_dim] = factor.repeat_interleave(head_dim)
+    def _scale_rows(param: Tensor, rows: Tensor, wrapper) -> None:
+        """Multiplies each row of ``param`` by its factor in ``rows``, in the tensor this rank steps (Note [QK-clip
+        across ranks])."""
         if wrapper is None:
             target, piece = param, None
         else:

@@ -93,12 +93,10 @@ def check_view(view: MatrixView, shape: Sequence[int], what: str) -> None:
         raise ValueError(f"{what}: split_dim={view.split_dim!r} must be 0 (rows) or 1 (columns).")
     if view.split is None:
         return
-    m, n = _matrix_shape(shape, view.stack)
-    length = (m, n)[view.split_dim]
+    length = _matrix_shape(shape, view.stack)[view.split_dim]
     split = view.split
-    if isinstance(split, bool) or not (isinstance(split, int) or (isinstance(split, tuple) and split
-                                                                  and all(isinstance(s, int) and not isinstance(s, bool)
-                                                                          for s in split))):
+    counts = (split,) if not isinstance(split, tuple) else split
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
         raise ValueError(f"{what}: split={split!r} must be a number of equal blocks (e.g. split=3 for a fused QKV, "
                          "split=n_heads for per-head blocks) or a tuple of block sizes.")
     sizes = _block_sizes(length, split)

@@ -704,15 +704,8 @@ class Muon(Optimizer):
         if not params or isinstance(params[0], dict):
             return params
         tensors, _ = _split_names(params)
-        by_view: dict[MatrixView | None, list[Any]] = {}
-        for p, t in zip(params, tensors):
-            if t.ndim >= 2:
-                view = getattr(t, MATRICES_ATTRIBUTE, None)
-                by_view.setdefault(PLAIN if view is None and t.ndim == 2 else view, []).append(p)
-        groups = []
-        for view, ps in by_view.items():
-            plain = view == PLAIN and all(t.ndim == 2 for t in _split_names(ps)[0])
-            groups.append({"params": ps, "use_muon": True, **({} if plain else view_keys(view))})
+        groups = groups_by_view((p, t, getattr(t, MATRICES_ATTRIBUTE, None)) for p, t in zip(params, tensors)
+                                if t.ndim >= 2)
         groups.append({"params": [p for p, t in zip(params, tensors) if t.ndim < 2], "use_muon": False})
         return [g for g in groups if g["params"]]
 
@@ -888,6 +881,21 @@ class Muon(Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def groups_by_view(entries: Iterable[tuple[Any, Tensor, MatrixView | None]]) -> list[dict[str, Any]]:
+    """One Muon group per view from ``(param or (name, param), tensor, view)`` entries, in order of appearance
+    (Note [matrix views]). A 2-D matrix without blocks joins the plain group, where it batches with the matrices
+    of unsplit stacks; a group of 2-D matrices alone carries no view keys (and steps as before they existed). A
+    ``None`` view of a ``>= 3``-D tensor stays unresolved, for :meth:`Muon.add_param_group` to refuse."""
+    by_view: dict[MatrixView | None, list[tuple[Any, Tensor]]] = {}
+    for item, tensor, view in entries:
+        if tensor.ndim == 2 and (view is None or view.split is None):
+            view = PLAIN
+        by_view.setdefault(view, []).append((item, tensor))
+    return [{"params": [item for item, _ in items], "use_muon": True,
+             **({} if view == PLAIN and all(t.ndim == 2 for _, t in items) else view_keys(view))}
+            for view, items in by_view.items()]
 
 
 def view_keys(view: MatrixView | None) -> dict[str, Any]:

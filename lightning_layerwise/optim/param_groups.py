@@ -39,8 +39,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .matrices import PLAIN, MatrixView, check_view, matrix_views
-from .muon import group_view, view_keys
+from .matrices import MatrixView, check_view, matrix_views
+from .muon import group_view, groups_by_view
 
 __all__ = ["HEAD_NAMES", "ParamRoute", "describe_param_groups", "muon_param_groups", "route_parameters"]
 
@@ -167,15 +167,7 @@ def muon_param_groups(
     """
     _check_module(module, "muon_param_groups")
     routes = route_parameters(module, exclude, split)
-    by_view: dict[MatrixView | None, list[Tensor]] = {}
-    for r in routes:
-        if r.use_muon:
-            one = r.param.ndim == 2 and r.view.split is None  # one matrix: batches with a stack's matrices
-            by_view.setdefault(PLAIN if one else r.view, []).append(r.param)
-    # A group of 2-D matrices alone needs no keys (and steps as before they existed).
-    muons = [{"params": ps, "use_muon": True,
-              **({} if view == PLAIN and all(p.ndim == 2 for p in ps) else view_keys(view))}
-             for view, ps in by_view.items()]
+    muons = groups_by_view((r.param, r.param, r.view) for r in routes if r.use_muon)
     adamw: dict[str, Any] = {"params": [r.param for r in routes if not r.use_muon], "use_muon": False}
     for group in muons:
         if lr is not None:

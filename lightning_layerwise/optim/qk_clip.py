@@ -130,8 +130,9 @@ def max_attention_logits(q: Tensor, k: Tensor, attn_mask: Tensor | None = None, 
         stop = min(start + chunk, L)
         logits = torch.matmul(q[:, :, start:stop], k.transpose(-2, -1)) * scale
         allowed = torch.ones(stop - start, S, dtype=torch.bool, device=q.device)
-        if is_causal:
-            allowed = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()[start:stop]
+        if is_causal:  # SDPA's top-left alignment: query i sees keys j <= i
+            rows = torch.arange(start, stop, device=q.device).unsqueeze(1)
+            allowed = rows >= torch.arange(S, device=q.device)
         if attn_mask is not None:
             mask = attn_mask[..., start:stop, :]
             allowed = allowed & (mask if mask.dtype == torch.bool else mask > float("-inf"))
