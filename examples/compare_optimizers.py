@@ -30,7 +30,7 @@ An AdamW learning-rate sweep point: ``--optimizers adamw --adamw-lr 2e-3 --steps
 --json /tmp/lr.json --plot /tmp/lr.png``. The Muon family over two seeds::
 
     .venv/bin/python examples/compare_optimizers.py --optimizers muon muon_heads normuon muon_polar \\
-        --seeds 1234 1235 --steps 150 --val-every 50 \\
+        --seeds 1234 1235 --steps 300 --val-every 50 \\
         --json benchmarks/results/loss_curves_muon_family.json --plot docs/images/loss_curves_muon_family.png
 
 ``--moe`` runs the mixture-of-experts example instead (``examples/train_moe.py fit --config
