@@ -59,7 +59,8 @@ class LayerwiseConfig:
     elementwise_fill: bool = True
     """Split the parameters the optimizer updates element-wise across shards."""
     elementwise_optimizers: Sequence[Union[type, str]] = ()
-    """Further optimizer classes (or import paths) whose update is element-wise; resolved to classes."""
+    """Further optimizer classes (or import paths) whose update is element-wise; resolved to classes. Needs
+    ``elementwise_fill``."""
     owner_group_size: Union[int, Literal["auto"], None] = "auto"
     """Ranks per owner group; ``"auto"``: one group on one node; ``None``: every rank."""
     expert_parallel_size: int = 1
@@ -68,7 +69,8 @@ class LayerwiseConfig:
     """Each rank holds only its shard of the parameters and gradients between uses; buckets are gathered for
     each forward and backward (Note [sharded parameters] in ``engine/buffers.py``)."""
     reshard_after_forward: bool = True
-    """With ``shard_parameters``: free buckets during the forward and gather them again for the backward."""
+    """With ``shard_parameters``: free buckets during the forward and gather them again for the backward.
+    ``False`` without ``shard_parameters`` is refused (it would change nothing)."""
     timeout: Optional[timedelta] = default_pg_timeout
     """Collective timeout."""
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
@@ -103,11 +105,21 @@ class LayerwiseConfig:
                      "elementwise_fill", "shard_parameters", "reshard_after_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{cls}({name}={getattr(self, name)!r}): pass True or False.")
+        if self.reshard_after_forward is False and not self.shard_parameters:
+            raise ValueError(f"{cls}(reshard_after_forward=False): it applies only with shard_parameters=True (whether "
+                             "a bucket gathered for the forward is kept for its backward); without it every rank "
+                             "holds the whole model and nothing is freed. Pass shard_parameters=True as well, or "
+                             "leave reshard_after_forward out.")
         if isinstance(self.elementwise_optimizers, (str, type)):
             raise ValueError(f"{cls}(elementwise_optimizers={self.elementwise_optimizers!r}): pass a list of "
                              "optimizer classes or import paths, e.g. ['my_package.optim.Lion'].")
-        classes = resolve_optimizer_classes(self.elementwise_optimizers, f"{cls}(elementwise_optimizers=...)")
+        given = list(self.elementwise_optimizers)
+        classes = resolve_optimizer_classes(given, f"{cls}(elementwise_optimizers=...)")
         object.__setattr__(self, "elementwise_optimizers", classes)  # frozen: the resolved classes are kept
+        if classes and not self.elementwise_fill:
+            raise ValueError(f"{cls}(elementwise_optimizers={given!r}): it applies only "
+                             "with elementwise_fill=True (it declares which optimizers' parameters may be split), "
+                             "and elementwise_fill=False owns every parameter whole. Drop one of the two.")
         if self.owner_group_size not in ("auto", None) and not _is_count(self.owner_group_size):
             raise ValueError(f"{cls}(owner_group_size={self.owner_group_size!r}): pass 'auto', None (one group of "
                              "every rank) or a positive integer that divides the number of ranks, e.g. 8.")

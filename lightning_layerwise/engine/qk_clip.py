@@ -17,11 +17,27 @@ Note [QK-clip across ranks]
     optimizer skips (a ``GradScaler`` that found an inf) skips the rescale too, and
     its logits count towards the next step's maximum (the weights did not change).
     The running maxima are cleared after every rescale.
+
+Note [a step without recorded logits]
+    A step in which no declared attention recorded a logit (a forward that never calls
+    ``record_attention_logits``, or one run in eval mode, where it records nothing) raises
+    ``RuntimeError``: clipping nothing is what such a step would do, and the bound asked for
+    would silently not hold. The check reads only which modules hold a maximum (no device
+    synchronization), and every rank runs the same forward code, so every rank raises at
+    the same step, before the maxima's all-reduce. With :meth:`QKClip.attach` it runs in a
+    step pre-hook, before the optimizer changes anything, unless the step is given a
+    closure (Lightning's automatic optimization runs the forward inside
+    ``optimizer.step(closure)``): then :meth:`QKClip.step`, the post-hook, raises after that
+    first update. Validation takes no optimizer step and records nothing (eval mode), so it
+    does not count. A declared attention without a maximum in a step where others have one
+    (a layer skipped this step, or one whose forward does not record) is clipped by
+    nothing that step, and a warning names it, once per ``QKClip``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -71,11 +87,13 @@ class QKClip:
                     entry = (param, [])
                     self._rows.append(entry)
                 entry[1].append((a, kind, offset, heads.head_dim))
+        self._check_rows_declared_once(params)
         self.last_max_logits: Tensor | None = None
         """Every declared head's largest logit of the last clipped step, over all ranks (attention order)."""
         self.clipped_heads: int | Tensor = 0
         """How many heads the last step rescaled (a tensor: reading it syncs with the device)."""
-        self._handle = None
+        self._handles: list[Any] = []
+        self._warned_unrecorded = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"tau": self.tau}
@@ -84,16 +102,59 @@ class QKClip:
         self.tau = float(state["tau"])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "QKClip":
-        """Runs :meth:`step` after every step of ``optimizer`` (a step post-hook); returns ``self``."""
-        if self._handle is not None:
-            self._handle.remove()
-        self._handle = optimizer.register_step_post_hook(lambda *_: self.step())
+        """Runs :meth:`step` after every step of ``optimizer`` (a step post-hook); returns ``self``. A step with no
+        recorded logits is refused before the optimizer updates anything (Note [a step without recorded logits])."""
+        self.detach()
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(lambda *_: self.step())]
         return self
 
     def detach(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Removes the hooks :meth:`attach` registered."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+        if closure is None:  # a closure runs the forward inside the step: the post-hook checks then
+            self._check_recorded()
+
+    def _check_recorded(self) -> None:
+        """Note [a step without recorded logits]."""
+        missing = [path or type(module).__name__ for path, module, _ in self.attentions
+                   if getattr(module, LOGITS_ATTRIBUTE, None) is None]
+        if len(missing) == len(self.attentions):
+            raise RuntimeError(
+                f"QKClip(tau={self.tau:g}): no attention recorded its logits in this step, so QK-clip has nothing to "
+                f"clip by (declared with mark_attention: {_names(missing)}). Call "
+                "lightning_layerwise.record_attention_logits(self, q, k, attn_mask=..., is_causal=..., scale=...) in "
+                "each one's forward, with the arguments given to F.scaled_dot_product_attention; it records in "
+                "training mode only (model.train()). For steps that run no attention, clip.detach() the clip before "
+                "them and clip.attach(optimizer) it again after.")
+        if missing and not self._warned_unrecorded:
+            self._warned_unrecorded = True
+            warnings.warn(
+                f"QKClip(tau={self.tau:g}): {_names(missing)} recorded no logits in this step while other attentions "
+                "did, so their heads are not clipped this step. If their forward does not call "
+                "lightning_layerwise.record_attention_logits(self, q, k, ...), add it; a layer skipped this step is "
+                "fine. (Warned once.)", stacklevel=3)
+
+    def _check_rows_declared_once(self, params: dict[str, Tensor]) -> None:
+        """Refuses a row that two declarations scale (two attentions sharing a parameter's rows): each would write
+        its own factor, the last one winning."""
+        name_of = {id(p): n for n, p in params.items()}
+        for param, ranges in self._rows:
+            spans = sorted((offset, offset + head_dim * (self.attentions[a][2].n_heads if kind == "q"
+                                                         else self.attentions[a][2].kv_heads), a, kind)
+                           for a, kind, offset, head_dim in ranges)
+            for (start, stop, a, kind), (start2, _, b, kind2) in zip(spans, spans[1:]):
+                if start2 < stop:
+                    raise ValueError(
+                        f"QKClip: rows [{start2}, {stop}) of {name_of[id(param)]!r} are declared twice, as {kind} rows "
+                        f"of attention {self.attentions[a][0]!r} and as {kind2} rows of {self.attentions[b][0]!r}; "
+                        "QK-clip would scale them by one head's factor and drop the other's. Give each attention "
+                        "its own rows (a parameter shared by two attentions cannot be clipped yet).")
 
     def _reduce_group(self, wrapper) -> Any:
         if self._group != "auto":
@@ -106,6 +167,7 @@ class QKClip:
     def step(self) -> None:
         """Rescales the heads whose largest logit since the last call exceeded ``tau`` (collective over the
         data-parallel group when there is one: every rank calls it, as every rank steps)."""
+        self._check_recorded()
         first = self._rows[0][0]
         wrapper, device = wrapper_of(first), first.device
         maxima = []
@@ -152,6 +214,11 @@ class QKClip:
         else:  # a piece: elements [start, stop) of the flattened parameter
             flat = rows.repeat_interleave(row_length)[piece.start:piece.stop]
             target.view(-1).mul_(flat.to(target.dtype))
+
+
+def _names(paths: list[str]) -> str:
+    shown = ", ".join(repr(p) for p in paths[:4])
+    return shown + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
 
 
 def _join(path: str, name: str) -> str:

@@ -89,24 +89,28 @@ def check_view(view: MatrixView, shape: Sequence[int], what: str) -> None:
     if not isinstance(view.stack, bool):
         raise ValueError(f"{what}: stack={view.stack!r} must be True (a stack over the leading dimensions) or False "
                          "(one (size(0), rest) matrix, as a convolution kernel).")
-    if view.split_dim not in (0, 1):
+    if isinstance(view.split_dim, bool) or view.split_dim not in (0, 1):
         raise ValueError(f"{what}: split_dim={view.split_dim!r} must be 0 (rows) or 1 (columns).")
     if view.split is None:
         return
+    check_split(view.split, what)
     length = _matrix_shape(shape, view.stack)[view.split_dim]
-    split = view.split
-    counts = (split,) if not isinstance(split, tuple) else split
-    if not counts or any(isinstance(c, bool) or not isinstance(c, int) for c in counts):
-        raise ValueError(f"{what}: split={split!r} must be a number of equal blocks (e.g. split=3 for a fused QKV, "
-                         "split=n_heads for per-head blocks) or a tuple of block sizes.")
-    sizes = _block_sizes(length, split)
-    if isinstance(split, int) and (split < 1 or length % split):
-        raise ValueError(f"{what} has shape {tuple(shape)}: its {('rows', 'columns')[view.split_dim]} ({length}) do "
-                         f"not split into {split} equal blocks; pass a count that divides {length} or the block "
-                         "sizes as a tuple.")
-    if any(s < 1 for s in sizes) or sum(sizes) != length:
+    split, side = view.split, ("rows", "columns")[view.split_dim]
+    if isinstance(split, int) and length % split:
+        raise ValueError(f"{what} has shape {tuple(shape)}: its {side} ({length}) do not split into {split} equal "
+                         f"blocks; pass a count that divides {length} or the block sizes as a tuple.")
+    if isinstance(split, tuple) and sum(split) != length:
         raise ValueError(f"{what} has shape {tuple(shape)}: split={split!r} must be positive sizes adding up to its "
-                         f"{length} {('rows', 'columns')[view.split_dim]}.")
+                         f"{length} {side}.")
+
+
+def check_split(split: object, what: str) -> None:
+    """Raises ``ValueError`` naming ``what`` unless ``split`` is a block count >= 1 or a non-empty tuple of block
+    sizes >= 1 (whatever the parameter's shape)."""
+    counts = split if isinstance(split, tuple) else (split,)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"{what}: split={split!r} must be a number of equal blocks >= 1 (e.g. split=3 for a fused "
+                         "QKV, split=n_heads for per-head blocks) or a tuple of block sizes >= 1.")
 
 
 def _matrix_shape(shape: Sequence[int], stack: bool) -> tuple[int, int]:

@@ -67,11 +67,13 @@ Note [NorMuon]
     ``v <- beta2 v + (1 - beta2) mean_cols(O * O)``, the update ``O / (sqrt(v) + eps)``
     and the paper's step size ``0.2 lr sqrt(m n) / ||O_hat||_F``, which gives the update
     an RMS of ``0.2 lr`` as AdamW's, so NorMuon's ``lr`` is on AdamW's scale and
-    ``adjust_lr`` does not apply. Momentum and weight decay are Muon's (the paper's
-    momentum is ``nesterov=False``). The state is ``second_moment``, one float32 per row of
-    each matrix (``m`` for an ``m x n`` matrix, ``E m`` for a stack of E): under the
-    layer-wise strategy it lives with the matrix's owner, as the momentum does, and
-    checkpoints carry it by parameter name like any other state.
+    ``adjust_lr`` does not apply (``"match_rms_adamw"`` and ``"spectral"`` are refused with
+    it: Note [options that do nothing] in ``optim/muon_options.py``). Momentum and weight
+    decay are Muon's (the paper's momentum is ``nesterov=False``). The state is
+    ``second_moment``, one float32 per row of each matrix (``m`` for an ``m x n`` matrix,
+    ``E m`` for a stack of E): under the layer-wise strategy it lives with the matrix's
+    owner, as the momentum does, and checkpoints carry it by parameter name like any other
+    state.
 
 Note [defaults of the two group kinds]
     ``Optimizer.__init__`` fills every missing group key from ``defaults``, so
@@ -87,14 +89,17 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, Union
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _functional_adamw
 
-from .matrices import MATRICES_ATTRIBUTE, PLAIN, MatrixView, check_view, matrix_blocks, matrix_shapes
+from .matrices import MATRICES_ATTRIBUTE, PLAIN, MatrixView, matrix_blocks, matrix_shapes
+from .muon_options import (ADJUST_LR_MODES, DEFAULT_NS_BATCH_BYTES, NS_SCHEDULES, AdjustLR, NSCoefficients,
+                           NSDtype, check_group, check_group_view, checked_defaults, param_label,
+                           resolve_dtype, resolve_ns_coefficients)
 
 __all__ = [
     "DEFAULT_NS_BATCH_BYTES",
@@ -111,92 +116,9 @@ __all__ = [
     "resolve_ns_coefficients",
 ]
 
-Triple = tuple[float, float, float]
-NSCoefficients = Union[str, Triple, Sequence[Triple]]
-AdjustLR = Literal["original", "match_rms_adamw", "spectral"]
-NSDtype = Union[torch.dtype, Literal["bfloat16", "float16", "float32", "float64"]]
-
-# Per-step (a, b, c) of the odd quintic p(x) = a x + b x^3 + c x^5 applied to the
-# singular values. A schedule shorter than ns_steps repeats its last triple.
-NS_SCHEDULES: dict[str, tuple[Triple, ...]] = {
-    # Keller Jordan's single triple (also torch.optim.Muon's default): steepest
-    # slope at 0, converges to a band of roughly [0.7, 1.2] rather than to 1.
-    "simple": ((3.4445, -4.7750, 2.0315),),
-    # Per-step triples tuned by You Jiacheng, as used in KellerJordan/modded-nanogpt
-    # train_gpt_medium.py (zeropower_via_newtonschulz5).
-    "quintic": (
-        (4.0848, -6.8946, 2.9270),
-        (3.9505, -6.3029, 2.6377),
-        (3.7418, -5.5913, 2.3037),
-        (2.8769, -3.1427, 1.2046),
-        (2.8366, -3.0525, 1.2012),
-    ),
-    # Polar Express (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932), the
-    # five triples modded-nanogpt train_gpt.py ships ("num_iters=5,
-    # safety_factor=2e-2, cushion=2"): minimax-optimal per step, so small
-    # singular values are lifted much faster than by a fixed polynomial.
-    "polar_express": (
-        (8.156554524902461, -22.48329292557795, 15.878769915207462),
-        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-    ),
-}
-
-_ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
-# The most bytes one Newton-Schulz stack holds by default (Note [chunked Newton-Schulz]): 128
-# bf16 matrices of 1024x1024 or 2 of 8192x8192 per batched call, enough to amortise launches.
-DEFAULT_NS_BATCH_BYTES = 2**28
-_DTYPE_NAMES = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-
-
 # ---------------------------------------------------------------------------
 # Pure maths
 # ---------------------------------------------------------------------------
-
-
-def resolve_ns_coefficients(coefficients: NSCoefficients, steps: int) -> tuple[Triple, ...]:
-    """Expand a schedule name, one triple, or a list of triples to exactly ``steps`` triples.
-
-    A schedule shorter than ``steps`` repeats its last triple; a longer one is cut.
-    """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"ns_steps={steps!r} is invalid: Newton-Schulz needs at least one iteration; pass ns_steps=5")
-    if isinstance(coefficients, str):
-        if coefficients not in NS_SCHEDULES:
-            raise ValueError(
-                f"ns_coefficients={coefficients!r} is not a known schedule; use one of "
-                f"{sorted(NS_SCHEDULES)}, one (a, b, c) triple, or a sequence of triples"
-            )
-        schedule = NS_SCHEDULES[coefficients]
-    else:
-        try:
-            seq = list(coefficients)
-        except TypeError:
-            seq = None
-        if seq is not None and len(seq) == 3 and all(isinstance(v, (int, float)) for v in seq):
-            schedule = (tuple(float(v) for v in seq),)
-        elif seq and all(_is_triple(t) for t in seq):
-            schedule = tuple(tuple(float(v) for v in t) for t in seq)
-        else:
-            raise ValueError(
-                f"ns_coefficients={coefficients!r} is not a schedule name, an (a, b, c) triple of numbers "
-                f"or a non-empty sequence of such triples; e.g. ns_coefficients='simple' or (3.4445, -4.775, 2.0315)"
-            )
-    return tuple(schedule[min(i, len(schedule) - 1)] for i in range(steps))  # type: ignore[misc]
-
-
-def _is_triple(t: Any) -> bool:
-    try:
-        return len(t) == 3 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in t)
-    except TypeError:
-        return False
 
 
 def newton_schulz_reference(
@@ -382,7 +304,7 @@ def adjust_lr_scale(shape: Sequence[int], mode: AdjustLR | None = "original") ->
         return math.sqrt(rows / cols)
     if mode is None:
         return 1.0
-    raise ValueError(f"adjust_lr={mode!r} is not supported; use one of {list(_ADJUST_LR_MODES)}")
+    raise ValueError(f"adjust_lr={mode!r} is not supported; use one of {list(ADJUST_LR_MODES)}")
 
 
 def muon_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -507,70 +429,6 @@ def muon_step(
         del ortho
 
 
-# ---------------------------------------------------------------------------
-# Validation helpers: every message names the argument, the value and a fix
-# ---------------------------------------------------------------------------
-
-
-def _check_nonneg(where: str, name: str, value: Any, example: str) -> None:
-    if isinstance(value, Tensor):
-        value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-        raise ValueError(f"{where}{name}={value!r} is invalid: it must be a number >= 0, e.g. {name}={example}")
-
-
-def _check_momentum(where: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0.0 <= value < 1.0:
-        raise ValueError(f"{where}momentum={value!r} is invalid: it must lie in [0, 1), e.g. momentum=0.95")
-
-
-def _check_betas(where: str, name: str, value: Any) -> None:
-    ok = False
-    try:
-        b1, b2 = value
-        ok = all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0.0 <= b < 1.0 for b in (b1, b2))
-    except (TypeError, ValueError):
-        pass
-    if not ok:
-        raise ValueError(
-            f"{where}{name}={value!r} is invalid: it must be two numbers in [0, 1), e.g. {name}=(0.9, 0.95)"
-        )
-
-
-def _check_ns(where: str, coefficients: Any, steps: Any) -> None:
-    try:
-        resolve_ns_coefficients(coefficients, steps)
-    except ValueError as err:
-        raise ValueError(f"{where}{err}") from None
-
-
-def _check_batch_bytes(where: str, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(
-            f"{where}ns_batch_bytes={value!r} is invalid: it must be a whole number of bytes >= 1 (the most one "
-            f"Newton-Schulz stack may hold) or None (no limit), e.g. ns_batch_bytes={DEFAULT_NS_BATCH_BYTES} "
-            f"(256 MiB)"
-        )
-
-
-def _check_adjust_lr(where: str, value: Any) -> None:
-    if value not in _ADJUST_LR_MODES:
-        raise ValueError(f"{where}adjust_lr={value!r} is not supported; use one of {list(_ADJUST_LR_MODES)}")
-
-
-def _resolve_dtype(where: str, value: Any) -> torch.dtype:
-    if isinstance(value, str) and value in _DTYPE_NAMES:
-        return _DTYPE_NAMES[value]
-    if isinstance(value, torch.dtype) and value.is_floating_point:
-        return value
-    raise ValueError(
-        f"{where}ns_dtype={value!r} is invalid: use a floating dtype, e.g. ns_dtype=torch.bfloat16 "
-        f"(fast) or torch.float32 (exact); strings {sorted(_DTYPE_NAMES)} are accepted too"
-    )
-
-
 def _split_names(params: list[Any]) -> tuple[list[Tensor], list[str | None]]:
     """Tensors and names of a group's params, which may be tensors or (name, tensor) pairs."""
     tensors, names = [], []
@@ -628,7 +486,13 @@ class Muon(Optimizer):
             peak memory set by this budget instead of by the number of matrices
             (Note [chunked Newton-Schulz]). ``None``: no limit, one stack per shape.
         normuon, normuon_beta2, normuon_eps: NorMuon's per-row normalization after
-            Newton-Schulz (Note [NorMuon]); its ``lr`` is on AdamW's scale.
+            Newton-Schulz (Note [NorMuon]); its ``lr`` is on AdamW's scale. ``None``: 0.95 and
+            1e-8; a value needs ``normuon=True``.
+
+    A setting that cannot take effect is refused (Note [options that do nothing] in
+    ``optim/muon_options.py``): ``adjust_lr="match_rms_adamw"`` or ``"spectral"`` with NorMuon,
+    ``normuon_beta2``/``normuon_eps`` without it, ``ns_batch_bytes`` with ``batched=False``, and
+    a group key that its kind of group does not read.
 
     A Muon group's keys ``stack``, ``split`` and ``split_dim`` say how Newton-Schulz sees its
     parameters (Note [matrix views] in ``optim/matrices.py``); :func:`muon_param_groups` sets
@@ -655,23 +519,9 @@ class Muon(Optimizer):
         batched: bool = True,
         ns_batch_bytes: int | None = DEFAULT_NS_BATCH_BYTES,
         normuon: bool = False,
-        normuon_beta2: float = 0.95,
-        normuon_eps: float = 1e-8,
+        normuon_beta2: float | None = None,
+        normuon_eps: float | None = None,
     ) -> None:
-        where = "Muon: "
-        _check_nonneg(where, "lr", lr, "0.02")
-        _check_momentum(where, momentum)
-        _check_nonneg(where, "weight_decay", weight_decay, "0.0")
-        _check_ns(where, ns_coefficients, ns_steps)
-        _check_nonneg(where, "ns_eps", ns_eps, "1e-7")
-        ns_dtype = _resolve_dtype(where, ns_dtype)
-        _check_adjust_lr(where, adjust_lr)
-        _check_nonneg(where, "adamw_lr", adamw_lr, "3e-4")
-        _check_betas(where, "adamw_betas", adamw_betas)
-        _check_nonneg(where, "adamw_eps", adamw_eps, "1e-8")
-        _check_nonneg(where, "adamw_weight_decay", adamw_weight_decay, "0.0")
-        _check_batch_bytes(where, ns_batch_bytes)
-        _check_normuon(where, normuon, normuon_beta2, normuon_eps)
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -683,7 +533,7 @@ class Muon(Optimizer):
             ns_dtype=ns_dtype,
             adjust_lr=adjust_lr,
             adamw_lr=adamw_lr,
-            adamw_betas=tuple(adamw_betas),
+            adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             batched=batched,
@@ -692,7 +542,7 @@ class Muon(Optimizer):
             normuon_beta2=normuon_beta2,
             normuon_eps=normuon_eps,
         )
-        super().__init__(self._route_plain_params(params), defaults)
+        super().__init__(self._route_plain_params(params), checked_defaults(defaults))
 
     @staticmethod
     def _route_plain_params(params: Any) -> Any:
@@ -726,7 +576,7 @@ class Muon(Optimizer):
                 i = is_matrix.index(False)
                 raise ValueError(
                     f"{where}has no 'use_muon' key and mixes matrices (ndim >= 2) with parameters of "
-                    f"ndim < 2 (parameter {i}{_label(names[i])} has shape {tuple(tensors[i].shape)}); "
+                    f"ndim < 2 (parameter {i}{param_label(names[i])} has shape {tuple(tensors[i].shape)}); "
                     f"set 'use_muon' explicitly, split the group, or build the groups with muon_param_groups(model)"
                 )
             use_muon = all(is_matrix)
@@ -738,49 +588,20 @@ class Muon(Optimizer):
             for i, t in enumerate(tensors):
                 if isinstance(t, Tensor) and t.ndim < 2:
                     raise ValueError(
-                        f"{where}parameter {i}{_label(names[i])} has shape {tuple(t.shape)} (ndim={t.ndim}) but "
+                        f"{where}parameter {i}{param_label(names[i])} has shape {tuple(t.shape)} (ndim={t.ndim}) but "
                         f"the group has use_muon=True; Newton-Schulz needs a matrix. Put it in a use_muon=False "
                         f"group or use muon_param_groups(model)"
                     )
-            _check_group_view(where, param_group, tensors, names)
+            check_group_view(where, param_group, tensors, names)
         else:
             param_group.setdefault("lr", self.defaults["adamw_lr"])
             param_group.setdefault("betas", self.defaults["adamw_betas"])
             param_group.setdefault("eps", self.defaults["adamw_eps"])
             param_group.setdefault("weight_decay", self.defaults["adamw_weight_decay"])
-        self._validate_group(where, param_group)
+        check_group(where, param_group, self.defaults)
         super().add_param_group(param_group)
         if "ns_dtype" in param_group:
-            param_group["ns_dtype"] = _resolve_dtype(where, param_group["ns_dtype"])
-
-    def _validate_group(self, where: str, group: dict[str, Any]) -> None:
-        """Check the keys a group set itself (the defaults were checked in __init__)."""
-        if "lr" in group:
-            _check_nonneg(where, "lr", group["lr"], "0.02" if group["use_muon"] else "3e-4")
-        if "weight_decay" in group:
-            _check_nonneg(where, "weight_decay", group["weight_decay"], "0.0")
-        if group["use_muon"]:
-            if "momentum" in group:
-                _check_momentum(where, group["momentum"])
-            if "ns_steps" in group or "ns_coefficients" in group:
-                _check_ns(
-                    where,
-                    group.get("ns_coefficients", self.defaults["ns_coefficients"]),
-                    group.get("ns_steps", self.defaults["ns_steps"]),
-                )
-            if "adjust_lr" in group:
-                _check_adjust_lr(where, group["adjust_lr"])
-            if "ns_dtype" in group:
-                _resolve_dtype(where, group["ns_dtype"])
-            if "ns_batch_bytes" in group:
-                _check_batch_bytes(where, group["ns_batch_bytes"])
-            if any(k in group for k in ("normuon", "normuon_beta2", "normuon_eps")):
-                _check_normuon(where, group.get("normuon", self.defaults["normuon"]),
-                               group.get("normuon_beta2", self.defaults["normuon_beta2"]),
-                               group.get("normuon_eps", self.defaults["normuon_eps"]))
-        else:
-            _check_betas(where, "betas", group["betas"])
-            _check_nonneg(where, "eps", group["eps"], "1e-8")
+            param_group["ns_dtype"] = resolve_dtype(where, param_group["ns_dtype"])
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
@@ -917,36 +738,3 @@ def group_view(group: dict[str, Any]) -> MatrixView:
 
 
 _LEGACY_VIEW = MatrixView(stack=False)
-
-
-def _check_group_view(where: str, group: dict[str, Any], tensors: list[Any], names: list[str | None]) -> None:
-    """A Muon group says how Newton-Schulz sees each ``>= 3``-D parameter (Note [matrix views]), and its view fits
-    every parameter: raises before any step otherwise."""
-    split = group.get("split")
-    if isinstance(split, list):
-        group["split"] = split = tuple(split)  # from YAML or JSON
-    for i, t in enumerate(tensors):
-        if not isinstance(t, Tensor):
-            continue
-        if t.ndim > 2 and group.get("stack") is None:
-            raise ValueError(
-                f"{where}parameter {i}{_label(names[i])} has shape {tuple(t.shape)}: say how Newton-Schulz should see "
-                "it. Build the groups with muon_param_groups(model) (a convolution's weight is one (out, in*k...) "
-                "matrix, any other >= 3-D parameter a stack of matrices over its leading dimensions), mark it with "
-                "lightning_layerwise.mark_matrices(param, stack=True) (a stack, e.g. grouped experts) or "
-                "stack=False (a kernel), or set the group's 'stack' key.")
-        if "stack" in group or split is not None:
-            view = MatrixView(stack=bool(group.get("stack", True)), split=split, split_dim=group.get("split_dim", 0))
-            check_view(view, tuple(t.shape), f"{where}parameter {i}{_label(names[i])}")
-
-
-def _check_normuon(where: str, normuon: Any, beta2: Any, eps: Any) -> None:
-    if not isinstance(normuon, bool):
-        raise ValueError(f"{where}normuon={normuon!r} is invalid: it must be True or False")
-    if not isinstance(beta2, (int, float)) or isinstance(beta2, bool) or not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"{where}normuon_beta2={beta2!r} is invalid: it must lie in [0, 1), e.g. normuon_beta2=0.95")
-    _check_nonneg(where, "normuon_eps", eps, "1e-8")
-
-
-def _label(name: str | None) -> str:
-    return f" ({name!r})" if name else ""

@@ -39,7 +39,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .matrices import MatrixView, check_view, matrix_views
+from .matrices import MatrixView, check_split, check_view, matrix_views
 from .muon import group_view, groups_by_view
 
 __all__ = ["HEAD_NAMES", "ParamRoute", "describe_param_groups", "muon_param_groups", "route_parameters"]
@@ -84,16 +84,23 @@ def route_parameters(module: nn.Module, exclude: Sequence[str] = (),
 
     ``split`` maps name patterns (``fnmatch``) to a block count or block sizes along the rows of each matrix:
     ``{"*.c_attn.weight": 3}`` orthogonalizes a fused QKV as three matrices (Note [matrix views]); it wins over a
-    :func:`mark_matrices` mark's split.
+    :func:`mark_matrices` mark's split. A pattern of ``exclude`` that names no parameter of ``module``, or of
+    ``split`` that names no parameter routed to Muon, is refused (a misspelt name would change nothing).
     """
     _check_module(module, "route_parameters")
     if isinstance(exclude, str):
         raise ValueError(f"exclude={exclude!r} is a string; pass a sequence of patterns, e.g. exclude=({exclude!r},)")
-    split = dict(split or {})
+    split = _checked_split(split)
     views = matrix_views(module)
     names_of: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
+    every_name = [n for names in names_of.values() for n in names]
+    unmatched = [pat for pat in exclude if not any(fnmatch.fnmatchcase(n, pat) for n in every_name)]
+    if unmatched:
+        raise ValueError(f"exclude={tuple(exclude)!r}: the pattern(s) {unmatched} match no parameter of "
+                         f"{type(module).__name__}; the names are those of model.named_parameters() (a module's weight "
+                         "is 'path.to.module.weight', so 'lm_head.*' matches an lm_head's parameters).")
 
     embedding_ids: set[int] = set()
     head_ids: set[int] = set()
@@ -133,9 +140,7 @@ def route_parameters(module: nn.Module, exclude: Sequence[str] = (),
             view = views[id(p)]
             pattern = next((pat for pat in split for n in names if fnmatch.fnmatchcase(n, pat)), None)
             if pattern is not None:
-                blocks = split[pattern]
-                view = MatrixView(stack=view.stack, split=tuple(blocks) if isinstance(blocks, (list, tuple))
-                                  else blocks, split_dim=0)
+                view = MatrixView(stack=view.stack, split=split[pattern], split_dim=0)
                 check_view(view, tuple(p.shape), f"split[{pattern!r}] on parameter {name!r}")
         routes.append(ParamRoute(name, p, use_muon, reason, aliases, view))
     unused = [pat for pat in split if not any(fnmatch.fnmatchcase(n, pat) for r in routes if r.use_muon
@@ -144,6 +149,25 @@ def route_parameters(module: nn.Module, exclude: Sequence[str] = (),
         raise ValueError(f"split={split!r}: the pattern(s) {unused} match no parameter routed to Muon; check the "
                          "names with describe_param_groups(model, groups).")
     return routes
+
+
+def _checked_split(split: Any) -> dict[str, int | tuple[int, ...]]:
+    """``split`` as a dict of patterns to a block count or a tuple of sizes, each checked before any routing."""
+    if split is None:
+        return {}
+    if not isinstance(split, Mapping):
+        raise ValueError(f"split={split!r}: pass a mapping of parameter name patterns to a block count or block "
+                         "sizes, e.g. split={'*.qkv.weight': 3}; to mark one parameter in the model, use "
+                         "lightning_layerwise.mark_matrices(module, 'weight', split=3).")
+    checked = {}
+    for pattern, blocks in split.items():
+        if not isinstance(pattern, str):
+            raise ValueError(f"split={split!r}: the key {pattern!r} is not a name pattern (a string such as "
+                             "'*.qkv.weight').")
+        blocks = tuple(blocks) if isinstance(blocks, (list, tuple)) else blocks
+        check_split(blocks, f"split[{pattern!r}]")
+        checked[pattern] = blocks
+    return checked
 
 
 def muon_param_groups(

@@ -80,9 +80,13 @@ def mark_attention(module: nn.Module, *, n_heads: int, head_dim: int, q: str, k:
     for name, value in (("n_heads", n_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"mark_attention({name}={value!r}): pass a positive integer.")
-    kv = n_kv_heads or n_heads
+    for name, value in (("q_offset", q_offset), ("k_offset", k_offset)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"mark_attention({name}={value!r}): pass the first row of head 0, an integer >= 0.")
+    kv = n_heads if n_kv_heads is None else n_kv_heads
     if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or n_heads % kv:
-        raise ValueError(f"mark_attention(n_kv_heads={n_kv_heads!r}): the key heads must divide n_heads={n_heads}.")
+        raise ValueError(f"mark_attention(n_kv_heads={n_kv_heads!r}): pass the number of key heads, a positive "
+                         f"integer dividing n_heads={n_heads}, or None (one key head per query head).")
     params = dict(module.named_parameters())
 
     def resolve_bias(weight: str, bias: str | None) -> str | None:
@@ -105,8 +109,23 @@ def mark_attention(module: nn.Module, *, n_heads: int, head_dim: int, q: str, k:
         if offset < 0 or offset + count * head_dim > rows:
             raise ValueError(f"mark_attention: {role}={name!r} has {rows} rows, too few for {count} heads of "
                              f"{head_dim} from row {offset}.")
+    _check_disjoint(heads)
     setattr(module, ATTENTION_ATTRIBUTE, heads)
     return module
+
+
+def _check_disjoint(heads: AttentionHeads) -> None:
+    """Refuses query rows that overlap key rows of the same parameter: QK-clip would scale the rows both hold by a
+    query factor and a key factor, the one written last winning, and the bound would not hold."""
+    q_rows = (heads.q_offset, heads.q_offset + heads.n_heads * heads.head_dim)
+    k_rows = (heads.k_offset, heads.k_offset + heads.kv_heads * heads.head_dim)
+    for q_name, k_name in ((heads.q, heads.k), (heads.q_bias, heads.k_bias)):
+        if q_name is not None and q_name == k_name and q_rows[0] < k_rows[1] and k_rows[0] < q_rows[1]:
+            raise ValueError(
+                f"mark_attention(q={heads.q!r}, k={heads.k!r}, q_offset={heads.q_offset}, k_offset={heads.k_offset}): "
+                f"the query rows [{q_rows[0]}, {q_rows[1]}) and the key rows [{k_rows[0]}, {k_rows[1]}) of "
+                f"{q_name!r} overlap; each row is a query or a key. In a fused QKV whose keys follow the queries "
+                f"pass k_offset=q_offset + n_heads * head_dim (= {q_rows[1]}).")
 
 
 @torch.no_grad()
@@ -145,12 +164,28 @@ def record_attention_logits(module: nn.Module, q: Tensor, k: Tensor, attn_mask: 
                             is_causal: bool = False, scale: float | None = None) -> None:
     """Folds this forward's per-head maximum logit (:func:`max_attention_logits`) into ``module``'s running
     maximum for QK-clip (Note [QK-clip]); call it in the forward with the arguments handed to
-    ``F.scaled_dot_product_attention``. Records only while the module is in training mode."""
+    ``F.scaled_dot_product_attention``. Records only while the module is in training mode. On a module declared with
+    :func:`mark_attention`, ``q`` and ``k`` must have its heads in dimension -3 and ``head_dim`` in -1."""
     if not module.training:
         return
+    heads = getattr(module, ATTENTION_ATTRIBUTE, None)
+    if heads is not None:
+        _check_layout(module, heads, q, k)
     current = max_attention_logits(q.detach(), k.detach(), attn_mask, is_causal, scale)
     held = getattr(module, LOGITS_ATTRIBUTE, None)
     object.__setattr__(module, LOGITS_ATTRIBUTE, current if held is None else torch.maximum(held, current))
+
+
+def _check_layout(module: nn.Module, heads: AttentionHeads, q: Tensor, k: Tensor) -> None:
+    """``q`` ``(..., n_heads, L, head_dim)`` and ``k`` with ``n_kv_heads`` (or ``n_heads``, repeated) heads, as
+    declared: another layout (``(B, L, H, E)``) would give maxima of other heads, or of no head at all."""
+    if q.ndim < 3 or k.ndim < 3 or (q.shape[-3], q.shape[-1]) != (heads.n_heads, heads.head_dim) or \
+            k.shape[-3] not in (heads.kv_heads, heads.n_heads) or k.shape[-1] != heads.head_dim:
+        raise ValueError(
+            f"record_attention_logits({type(module).__name__}): q has shape {tuple(q.shape)} and k "
+            f"{tuple(k.shape)}, but mark_attention declared n_heads={heads.n_heads}, n_kv_heads="
+            f"{heads.n_kv_heads}, head_dim={heads.head_dim}. Pass q and k as F.scaled_dot_product_attention takes "
+            "them, (batch, heads, sequence, head_dim): e.g. q.view(B, T, n_heads, head_dim).transpose(1, 2).")
 
 
 def head_factors(s_max: Tensor, tau: float, n_kv_heads: int | None = None) -> tuple[Tensor, Tensor]:

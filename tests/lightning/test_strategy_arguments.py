@@ -6,8 +6,10 @@ value is refused when the strategy is built, with a message naming the argument,
   keep the config they built, and one bucket-size rule holds everywhere.
 * ``LayerwiseStrategy(...)`` with a bad value: each argument's exact message (a value of the wrong type,
   a non-boolean for a boolean, a number for ``timeout``), the element-wise fill settings, a misspelt
-  argument (the closest valid names suggested), and an owner group size that is not a positive divisor
-  (at construction, or when ``fit`` starts on a world it does not divide).
+  argument (the closest valid names suggested), an owner group size that is not a positive divisor
+  (at construction, or when ``fit`` starts on a world it does not divide), and a setting that the others would
+  leave without effect (``reshard_after_forward=False`` without ``shard_parameters``, ``elementwise_optimizers``
+  with ``elementwise_fill=False``).
 
 docs/reliability.md lists each message with its test. Fabric's own arguments are checked in
 ``test_fabric.py``, the LightningCLI's handling of a bad value in ``test_cli.py``, settings that belong
@@ -160,6 +162,29 @@ def test_a_timeout_that_is_not_a_timedelta_is_refused_when_the_strategy_is_built
 def test_bad_elementwise_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llw.LayerwiseStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"reshard_after_forward": False},
+     r"\(reshard_after_forward=False\): it applies only with shard_parameters=True \(whether a bucket gathered for "
+     r"the forward is kept for its backward\); without it every rank holds the whole model and nothing is freed\. "
+     r"Pass shard_parameters=True as well, or leave reshard_after_forward out\.$"),
+    ({"elementwise_fill": False, "elementwise_optimizers": ["torch.optim.Adamax"]},
+     r"\(elementwise_optimizers=\['torch\.optim\.Adamax'\]\): it applies only with elementwise_fill=True .*"
+     r"elementwise_fill=False owns every parameter whole\. Drop one of the two\.$"),
+], ids=["reshard_after_forward-unsharded", "elementwise_optimizers-without-fill"])
+def test_a_setting_that_would_do_nothing_is_refused_by_every_front(kwargs, match):
+    """The check lives in LayerwiseConfig: the Trainer strategy, the Fabric strategy and a session's config refuse
+    it alike. ``reshard_after_forward=True`` is the default, so passing it is no choice and stays accepted."""
+    for build, owner in ((llw.LayerwiseStrategy, "LayerwiseStrategy"),
+                         (llw.LayerwiseFabricStrategy, "LayerwiseFabricStrategy"),
+                         (LayerwiseConfig, "LayerwiseConfig")):
+        with pytest.raises(ValueError, match=rf"^{owner}" + match):
+            build(**kwargs)
+    assert llw.LayerwiseStrategy(reshard_after_forward=True).config.reshard_after_forward is True
+    assert llw.LayerwiseStrategy(shard_parameters=True, reshard_after_forward=False).reshard_after_forward is False
+    declared = LayerwiseConfig(elementwise_optimizers=["torch.optim.Adamax"])
+    assert declared.elementwise_optimizers == (torch.optim.Adamax,)
 
 
 def test_owner_group_size_must_divide_the_world():

@@ -6,7 +6,10 @@
   comparison can fail).
 * QK-clip rescales the heads over ``tau`` and leaves every other row bitwise alone; the logits helper equals the
   logits written out, with masks and grouped-query attention.
-* Bad marks and groups are refused before any step, naming the parameter and the fix.
+* Bad marks and groups are refused before any step, naming the parameter and the fix; so is QK-clip with nothing
+  to clip by: a step without recorded logits raises (an attention that alone records nothing is warned about once),
+  and query rows that overlap key rows, logits in another layout than the declared heads, or rows two attentions
+  declare are refused.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lightning_layerwise as llw
@@ -285,3 +290,132 @@ def test_a_stack_of_fused_matrices_is_cut_into_blocks_of_each_matrix():
             m, n = O.shape
             want[e, rows] -= 0.1 * math.sqrt(max(1.0, m / n)) * O
     torch.testing.assert_close(p.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+# --- QK-clip refuses to do nothing ------------------------------------------------------------------------------
+
+
+class UnrecordedAttention(nn.Module):
+    """A fused QKV attention declared for QK-clip whose forward never calls ``record_attention_logits``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24, bias=False)
+        llw.mark_attention(self, n_heads=2, head_dim=4, q="qkv.weight", k="qkv.weight", k_offset=8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 4)).transpose(-3, -2) for t in self.qkv(x).split(8, dim=-1))
+        return F.scaled_dot_product_attention(q, k, v).transpose(-3, -2).flatten(-2)
+
+
+NOTHING_RECORDED = (r"^QKClip\(tau=0\.001\): no attention recorded its logits in this step, so QK-clip has nothing "
+                    r"to clip by \(declared with mark_attention: .*\)\. Call lightning_layerwise\."
+                    r"record_attention_logits\(self, q, k, .*training mode only \(model\.train\(\)\)")
+
+
+def test_a_step_without_recorded_logits_is_refused_before_the_optimizer_changes_anything():
+    """A forward that never records: the step pre-hook raises before the update; with a closure (the forward runs
+    inside the step, as under Lightning's automatic optimization) the post-hook raises after it; a direct
+    ``clip.step()`` raises too. Nothing is ever clipped by ``-inf`` maxima in silence."""
+    model = UnrecordedAttention()
+    opt = llw.Muon(muon_param_groups(model))
+    llw.QKClip(model, tau=1e-3).attach(opt)
+    x = torch.randn(2, 5, 8)
+    model(x).square().mean().backward()
+    before = model.qkv.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=NOTHING_RECORDED):
+        opt.step()
+    assert torch.equal(model.qkv.weight, before)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match=NOTHING_RECORDED):
+        opt.step(closure)
+    with pytest.raises(RuntimeError, match=NOTHING_RECORDED):
+        llw.QKClip(model, tau=1e-3).step()
+
+
+def test_a_training_forward_in_eval_mode_records_nothing_and_is_refused():
+    model = FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model)
+    llw.QKClip(model, tau=1e-3).attach(opt)
+    model.eval()  # record_attention_logits records in training mode only
+    loss_fn(model, batches(1)[0]).backward()
+    with pytest.raises(RuntimeError, match=r"'att1', 'att2'\).*records in training mode only"):
+        opt.step()
+    model.train()
+    opt.zero_grad()
+    loss_fn(model, batches(1)[0]).backward()
+    opt.step()  # recorded: clipped as usual
+
+
+def test_an_attention_that_records_nothing_while_others_do_is_warned_about_once():
+    model = FamilyNet(hot_heads=(1, 3))
+    opt = package_optimizer(model)
+    clip = llw.QKClip(model, tau=TAU).attach(opt)
+    model.att1.eval()  # att1 records nothing; att2 (the hot heads) does
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for tokens in batches(3):
+            opt.zero_grad()
+            loss_fn(model, tokens).backward()
+            opt.step()
+    messages = [str(w.message) for w in caught if "QKClip" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("QKClip(tau=30): 'att1' recorded no logits in this step while other attentions "
+                                  "did, so their heads are not clipped this step."), messages[0]
+    assert clip.last_max_logits[:4].eq(float("-inf")).all() and clip.last_max_logits[4:].gt(0).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"q": "weight", "k": "weight"},
+     r"^mark_attention\(q='weight', k='weight', q_offset=0, k_offset=0\): the query rows \[0, 8\) and the key rows "
+     r"\[0, 8\) of 'weight' overlap; each row is a query or a key\. In a fused QKV whose keys follow the queries "
+     r"pass k_offset=q_offset \+ n_heads \* head_dim \(= 8\)\.$"),
+    ({"q": "weight", "k": "weight", "k_offset": 4}, r"the query rows \[0, 8\) and the key rows \[4, 12\) of 'weight' "
+                                                    r"overlap"),
+    ({"q": "weight", "k": "weight", "q_offset": 8, "k_offset": 6, "n_kv_heads": 1},
+     r"the query rows \[8, 16\) and the key rows \[6, 10\) of 'weight' overlap"),
+    ({"q": "weight", "k": "weight", "k_offset": 8, "n_kv_heads": 0},
+     r"^mark_attention\(n_kv_heads=0\): pass the number of key heads, a positive integer dividing n_heads=2, or "
+     r"None \(one key head per query head\)\.$"),
+    ({"q": "weight", "k": "weight", "k_offset": -8}, r"^mark_attention\(k_offset=-8\): pass the first row of head 0"),
+    ({"q": "weight", "k": "weight", "q_offset": 1.0}, r"^mark_attention\(q_offset=1\.0\): pass the first row"),
+], ids=["k_offset-forgotten", "keys-start-inside-queries", "keys-before-queries", "n_kv_heads-0", "k_offset-negative",
+        "q_offset-float"])
+def test_mark_attention_refuses_overlapping_or_meaningless_rows(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llw.mark_attention(nn.Linear(4, 24), n_heads=2, head_dim=4, **kwargs)
+
+
+def test_mark_attention_accepts_disjoint_rows_in_either_order():
+    keys_first = llw.mark_attention(nn.Linear(4, 24), n_heads=2, head_dim=4, q="weight", k="weight", q_offset=8,
+                                    n_kv_heads=1)
+    assert (keys_first.llw_attention_heads.q_offset, keys_first.llw_attention_heads.k_offset) == (8, 0)
+    llw.mark_attention(nn.Linear(4, 24), n_heads=2, head_dim=4, q="weight", k="weight", k_offset=8)
+
+
+def test_logits_recorded_in_another_layout_than_the_declared_heads_are_refused():
+    module = llw.mark_attention(nn.Linear(8, 24), n_heads=2, head_dim=4, q="weight", k="weight", k_offset=8)
+    q = k = torch.randn(3, 5, 2, 4)  # (B, T, H, E): not SDPA's (B, H, T, E)
+    with pytest.raises(ValueError, match=r"^record_attention_logits\(Linear\): q has shape \(3, 5, 2, 4\) and k "
+                                         r"\(3, 5, 2, 4\), but mark_attention declared n_heads=2, n_kv_heads=None, "
+                                         r"head_dim=4\. Pass q and k as F\.scaled_dot_product_attention takes them"):
+        llw.record_attention_logits(module, q, k)
+    llw.record_attention_logits(module, q.transpose(1, 2), k.transpose(1, 2))
+    assert module.llw_max_logits.shape == (2,)
+
+
+def test_rows_that_two_attentions_declare_are_refused():
+    shared = nn.Linear(8, 24, bias=False)
+    first, second = nn.Module(), nn.Module()
+    first.qkv = second.qkv = shared
+    for module in (first, second):
+        llw.mark_attention(module, n_heads=2, head_dim=4, q="qkv.weight", k="qkv.weight", k_offset=8)
+    with pytest.raises(ValueError, match=r"^QKClip: rows \[0, 8\) of '.*qkv\.weight' are declared twice, as q rows of "
+                                         r"attention 'first' and as q rows of 'second'"):
+        llw.QKClip(nn.ModuleDict({"first": first, "second": second}))

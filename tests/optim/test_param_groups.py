@@ -127,6 +127,48 @@ def test_exclude_must_be_a_sequence():
         muon_param_groups(GPTLike(), exclude="lm_head.*")
 
 
+def test_an_exclude_pattern_that_names_no_parameter_is_refused():
+    """A misspelt pattern would leave its parameters in Muon in silence; a frozen parameter's name still counts."""
+    with pytest.raises(ValueError, match=r"^exclude=\('h\.1\.\*', 'lm_haed\.\*'\): the pattern\(s\) \['lm_haed\.\*'\] "
+                                         r"match no parameter of GPTLike; the names are those of "
+                                         r"model\.named_parameters\(\)"):
+        muon_param_groups(GPTLike(), exclude=("h.1.*", "lm_haed.*"))
+    model = GPTLike()
+    model.h[1].requires_grad_(False)
+    muon_param_groups(model, exclude=("h.1.*",))
+
+
+@pytest.mark.parametrize("split_arg, match", [
+    ({"*.c_attn.weight": 0}, r"^split\['\*\.c_attn\.weight'\]: split=0 must be a number of equal blocks >= 1 "
+                             r"\(e\.g\. split=3 for a fused QKV, split=n_heads for per-head blocks\) or a tuple of "
+                             r"block sizes >= 1\.$"),
+    ({"*.c_attn.weight": -3}, r"split=-3 must be a number of equal blocks >= 1"),
+    ({"*.c_attn.weight": (8, 16, 0)}, r"split=\(8, 16, 0\) must be a number of equal blocks >= 1"),
+    ({"*.c_attn.weight": []}, r"split=\(\) must be a number of equal blocks >= 1"),
+    ({"*.c_attn.weight": 2.0}, r"split=2\.0 must be a number of equal blocks >= 1"),
+    ({"*.c_attn.weight": 5}, r"^split\['\*\.c_attn\.weight'\] on parameter 'h\.0\.attn\.c_attn\.weight' has shape "
+                             r"\(24, 8\): its rows \(24\) do not split into 5 equal blocks"),
+    (3, r"^split=3: pass a mapping of parameter name patterns to a block count or block sizes, e\.g\. "
+        r"split=\{'\*\.qkv\.weight': 3\}"),
+    ({3: 3}, r"the key 3 is not a name pattern"),
+], ids=["zero", "negative", "a-zero-size", "empty", "float", "not-dividing", "not-a-mapping", "not-a-pattern"])
+def test_a_bad_split_is_refused_before_any_routing(split_arg, match):
+    """``split={"*.qkv.weight": 0}`` used to divide by zero; each value is checked before the parameters are
+    routed, the fit to each parameter's shape when it is routed."""
+    with pytest.raises(ValueError, match=match):
+        muon_param_groups(GPTLike(), split=split_arg)
+
+
+def test_mark_matrices_refuses_the_same_splits():
+    from lightning_layerwise import mark_matrices
+
+    for bad in (0, -1, (24, 0), ()):
+        with pytest.raises(ValueError, match=r"must be a number of equal blocks >= 1"):
+            mark_matrices(nn.Linear(8, 24), "weight", split=bad)
+    with pytest.raises(ValueError, match=r"split_dim=True must be 0 \(rows\) or 1 \(columns\)"):
+        mark_matrices(nn.Linear(8, 24), "weight", split=3, split_dim=True)
+
+
 def test_parameters_instead_of_the_module_are_refused_naming_the_fix():
     """``model.parameters()`` carries no names or owning modules: routing it by ndim alone would send the embeddings
     and the output head to Muon, so it is refused (rather than an AttributeError on ``named_parameters``)."""
