@@ -98,7 +98,9 @@ from .checkpoint.checkpoints import SessionCheckpoints
 from .checkpoint.formats import Checkpoint
 from .checkpoint.named_state import to_cpu
 from .layout import Layout, choose_expert_group_size, choose_owner_group_size, plan_layout
+from .engine.collective_reads import FailureBoard, ReadAgreement
 from .engine.masters import MasterWeights
+from .engine.sharded import ReadRules, ShardedParameterSync
 from .optim.elementwise import elementwise_parameters
 from .engine.process_groups import ProcessGroups
 
@@ -193,6 +195,13 @@ class LayerwiseSession:
         self._expert: Optional[Callable[[str, torch.nn.Parameter], bool]] = None  # which parameters are experts
         self._group_counts: list[int] = []  # param groups per optimizer when they last got their pieces
         self._gradient_utilities = None  # the hold on the patched gradient utilities, from wrap to release
+        self.read_rules = ReadRules(steps="the forward of the model that session.wrap returned",
+                                    whole_again="After session.release() the module holds every parameter again.")
+        """How errors about reads of sharded parameters name this front end's steps (the adapters set theirs)."""
+        self.failure: Optional[str] = None
+        """Another rank's read error, posted before a failed run was released (Note [failing together])."""
+        self._board: Optional[FailureBoard] = None  # with sharded parameters: Note [failing together]
+        self._agreement: Optional[ReadAgreement] = None  # Note [collective reads]
 
     # --- the environment ---------------------------------------------------------------------------------------------
     @property
@@ -228,7 +237,7 @@ class LayerwiseSession:
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
         self.module, self.optimizers, self.master_weights = module, optimizers, master_weights
         self.checkpoints.released_ownership = None
-        self.masters = None
+        self.masters, self.failure = None, None
         reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
         self._elementwise = elementwise
         predicate = self._elementwise_predicate() if elementwise else None
@@ -254,6 +263,10 @@ class LayerwiseSession:
             for group in optimizer.param_groups:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
         self.wrapper.on_new_trainable = self._replan
+        if self.wrapper.shard_parameters:  # collective, as the wrapping: every rank opens the same run's board
+            self._board = FailureBoard.open()
+            self._agreement = ReadAgreement.create(self._board, self.env.timeout)
+        self._attach_reads()
         if self._gradient_utilities is None:  # torch's clipping sees the global norm while wrapped
             self._gradient_utilities = gradient_utilities()
         self._expert = expert
@@ -312,6 +325,7 @@ class LayerwiseSession:
         layout = self._plan_for_groups(specs, self._expert is not None)
         steps, self.masters = self.steps, None
         wrapper.rebuild(layout, elementwise=predicate)
+        self._attach_reads()
         self.replans += 1
         self._use_stepped_tensors()
         self.steps = steps
@@ -550,6 +564,30 @@ class LayerwiseSession:
             return contextlib.nullcontext()
         return self.wrapper.full_parameters()
 
+    # --- reads of sharded parameters (Note [sharded reads] in engine/sharded.py) --------------------------------------
+    def _attach_reads(self) -> None:
+        """The wrapper's parameter side learns this front end's words, the agreement and the board."""
+        param_sync = self.wrapper.param_sync
+        if isinstance(param_sync, ShardedParameterSync):
+            param_sync.read_rules, param_sync.agreement = self.read_rules, self._agreement
+            param_sync.waiter.board = self._board
+
+    def hook_reads(self, where: str):
+        """A context for a hook every rank runs in the same order (``where``: its name): reads of sharded
+        parameters inside gather on demand, as collectives (Note [collective reads] in
+        ``engine/collective_reads.py``); without sharded parameters, nothing."""
+        param_sync = self.wrapper.param_sync if self.wrapper is not None else None
+        if isinstance(param_sync, ShardedParameterSync):
+            return param_sync.hook_reads(where)
+        return contextlib.nullcontext()
+
+    def local_reads(self):
+        """A context for this rank's own reads (the optimizer's step inside a hook): nothing gathers on demand."""
+        param_sync = self.wrapper.param_sync if self.wrapper is not None else None
+        if isinstance(param_sync, ShardedParameterSync):
+            return param_sync.local_reads()
+        return contextlib.nullcontext()
+
     def module_state_dict(self, module: Optional[torch.nn.Module] = None) -> dict[str, Any]:
         """``module.state_dict()`` (default: the trained module) with every parameter current and whole; with
         sharded parameters gathered for it and copied (collective)."""
@@ -623,15 +661,20 @@ class LayerwiseSession:
 
         Also called from inside an exception handler after a failed run. If a collective failed (a dead
         rank), waiting for the pending ones raises the same error again and hides the original traceback:
-        then they are abandoned instead. A checkpoint saved afterwards still writes the last layout's parts.
+        then they are abandoned instead. With sharded parameters a failed run issues no collective at all
+        (gathering the module whole would wait for ranks that may have failed elsewhere, or not at all): the
+        module keeps what this rank holds, and NaN in place of the rest. A checkpoint saved afterwards still
+        writes the last layout's parts.
         """
         failing = sys.exc_info()[0] is not None
         wrapper = self.wrapper
         module = None
         if wrapper is not None:
             self.checkpoints.release()
+            if failing and self._board is not None:
+                self.failure = self._board.unseen()  # for the adapter to raise in place of a closed connection
             try:
-                module = wrapper.release()
+                module = wrapper.release(wait=not (failing and wrapper.shard_parameters))
             except Exception:
                 if not failing:
                     raise
@@ -646,10 +689,13 @@ class LayerwiseSession:
             # reaches interpreter exit (where a live one can abort the process).
             try:
                 self.groups.destroy()
+                if self._agreement is not None:
+                    self._agreement.destroy()
             except Exception:
                 if not failing:
                     raise
             self.groups = None
+        self._board = self._agreement = None
         return module
 
 

@@ -335,9 +335,12 @@ class Bucket:
         self.gather = None
 
     def abandon(self) -> None:
-        """Forgets every collective in flight (after a failed one: waiting would raise its error again)."""
+        """Forgets every collective in flight (after a failed one: waiting would raise its error again). Sharded
+        parameters whose all-gather did not land are left freed: nothing of them is held here."""
+        lost = self.sharded and (self.param_state is ParamState.GATHERING or not is_allocated(self.param_data))
         self.gather = self.reduce = self.replica_gather = None
-        self.param_state, self.grad_state = ParamState.READY, GradState.ACCUMULATING
+        self.param_state = ParamState.FREED if lost else ParamState.READY
+        self.grad_state = GradState.ACCUMULATING
 
 
 def allocate(tensor: torch.Tensor) -> None:

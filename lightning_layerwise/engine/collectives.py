@@ -239,11 +239,13 @@ class _Works:
     def __init__(self, works: list) -> None:
         self.works = works
 
-    def wait(self) -> None:
+    def wait(self, timeout=None) -> bool:
+        """Waits for each; a ``timeout`` (as torch's ``Work.wait``) that passes raises and leaves them waitable."""
         for work in self.works:
             if work is not None:
-                work.wait()
+                work.wait() if timeout is None else work.wait(timeout)
         self.works = []
+        return True
 
     def is_completed(self) -> bool:
         return all(work is None or work.is_completed() for work in self.works)

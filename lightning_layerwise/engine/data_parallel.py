@@ -130,6 +130,7 @@ from . import collectives
 from .buffers import (Bucket, FlatBuffer, ParamState, allocate, allocate_buffers, allocate_shards, build_buckets,
                       cut_shard, free, is_dense_permutation, meta_buffers, single_device, view_of)
 from .materialize import check_materializable, has_meta_tensors, materialize
+from .sharded_init import ParameterPublisher
 from .grad_sync import _LIVE, GradientSync, GradUnit, _forget, wrapper_of
 from .param_sync import ParameterSync
 from .sharded import ShardedParameterSync
@@ -237,7 +238,7 @@ class LayerwiseDataParallel(nn.Module):
         meta parameter -> the parameter that replaced it (optimizers holding the former must take the latter)."""
         meta = has_meta_tensors(module)
         if meta and shard_parameters:
-            check_materializable(module)  # before any collective, on every rank alike
+            check_materializable(module, self._materialize_device(device))  # before any collective, every rank alike
             if not self.shard_parameters:  # one process: nothing to shard, the whole model is materialized
                 self.replaced_parameters = materialize(module, self._materialize_device(device))
         elif meta and all(p.is_meta for p in module.parameters() if p.requires_grad):
@@ -354,41 +355,19 @@ class LayerwiseDataParallel(nn.Module):
 
     def _materialize_sharded(self, named: dict[str, nn.Parameter], device: torch.device) -> list[FlatBuffer]:
         """A meta-device model with sharded parameters (Note [meta-device models] in ``engine/materialize.py``):
-        each bucket is filled as its parameters' values become final, broadcast from the first rank of its group,
-        cut to this rank's shard and freed. Returns the buffers of the shards."""
+        each parameter is published into the shards as soon as its value is final, and each bucket pointed at its
+        shard once complete (Note [publishing parameters one by one] in ``engine/sharded_init.py``). Returns the
+        buffers of the shards."""
         plans = [bp for plan in self.layout.buffers for bp in plan.buckets]  # build_buckets' order
-        plan_of = {id(b): bp for b, bp in zip(self._buckets, plans)}
-        bucket_of = {name: b for b in self._buckets for name in plan_of[id(b)].params}
         dtypes = [(flat.params.dtype, flat.grads.dtype) for flat in self._flat_buffers]
         sharded = allocate_shards(self.layout, self._buckets, dtypes, device)
-        name_of = {id(p): n for n, p in named.items()}
-        left = {id(b): len(plan_of[id(b)].params) for b in self._buckets}
-        fulls: dict[int, torch.Tensor] = {}
-        final: dict[str, nn.Parameter] = {}
-        stepped = self._stepped_whole_names()
-
-        def memory_for(old: nn.Parameter) -> torch.Tensor:
-            name = name_of.get(id(old))
-            bucket = bucket_of.get(name)
-            if bucket is None:  # frozen: outside the layout, broadcast with the module's buffers
-                return torch.empty_like(old, device=device)
-            bp = plan_of[id(bucket)]
-            full = fulls.get(id(bucket))
-            if full is None:
-                full = fulls[id(bucket)] = torch.zeros(bp.numel, dtype=dtypes[bucket.buffer][0], device=device)
-            slot = self.layout.params[name]
-            return view_of(full, slot, like=old, offset=slot.offset - bp.start)
-
-        def on_final(old: nn.Parameter, new: nn.Parameter) -> None:
-            bucket = bucket_of.get(name_of.get(id(old)))
-            if bucket is None:
-                return
-            final[name_of[id(old)]] = new
-            left[id(bucket)] -= 1
-            if left[id(bucket)] == 0:
-                self._publish_bucket(bucket, plan_of[id(bucket)], final, stepped, fulls.pop(id(bucket)))
-
-        self.replaced_parameters = materialize(self.module, device, on_final, memory_for)
+        groups = self.process_groups
+        publisher = ParameterPublisher(
+            self.layout, self._buckets, {id(b): bp for b, bp in zip(self._buckets, plans)},
+            {id(p): n for n, p in named.items()}, [d for d, _ in dtypes], self._stepped_whole_names(), device,
+            group_of=lambda bucket: groups.expert_dp if bucket.expert else groups.dp)
+        self.replaced_parameters = materialize(self.module, device, publisher.final, publisher.memory_for)
+        publisher.check_complete()
         for bucket in self._buckets:
             bucket.params = [self.replaced_parameters.get(id(p), p) for p in bucket.params]
         return sharded

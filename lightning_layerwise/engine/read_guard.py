@@ -22,7 +22,8 @@ Note [read guard]
 
     The cost is nothing for parameters whose bucket has landed (their class is
     plain ``nn.Parameter`` again), one Python call per operation on a pending
-    parameter, and two attribute stores per parameter per step.
+    parameter, and two attribute stores per parameter per step. ``copy.deepcopy``
+    of a pending parameter is a read too, and gives a plain ``nn.Parameter``.
 
     What it cannot see: a tensor taken from a parameter *before* the all-gather
     started and kept (``w = layer.weight.data`` stored at set-up and read later),
@@ -81,6 +82,7 @@ def _metadata_functions() -> frozenset:
 
 METADATA_FUNCTIONS = _metadata_functions()
 """Tensor operations that read no element (also what a split gradient allows, ``grad_sync.SplitGradient``)."""
+_calls = 0  # operations that read a pending parameter so far: see call_index()
 _ON_READ: dict[int, weakref.WeakMethod] = {}
 """``id(param)`` -> the wrapper's ``callback(param, func)`` that makes it current or raises. Kept out of the
 parameter itself so that ``copy.deepcopy`` and pickling of a model never reach the wrapper."""
@@ -93,6 +95,8 @@ class PendingParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in METADATA_FUNCTIONS:
+            global _calls
+            _calls += 1
             for leaf in tree_leaves((args, kwargs)):
                 if type(leaf) is PendingParameter:  # still pending: an earlier wait may have landed it
                     ref = _ON_READ.get(id(leaf))
@@ -103,6 +107,18 @@ class PendingParameter(nn.Parameter):
                         leaf.__class__ = nn.Parameter
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        """A plain ``nn.Parameter`` holding the current values (taking ``data`` is a read: it waits or gathers)."""
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        return memo[id(self)]
+
+
+def call_index() -> int:
+    """Which operation the current read belongs to: the reads of one operation (``torch.stack(params)``) share
+    it, so that a wrapper keeps every parameter they gathered until the operation ran."""
+    return _calls
 
 
 def can_guard(param: nn.Parameter) -> bool:
@@ -132,7 +148,8 @@ def restore(param: nn.Parameter) -> None:
 def describe(func: Callable) -> str:
     """A readable name for the torch operation that read a parameter."""
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-    if name in ("__get__", "__set__"):
+    accessor = name.rsplit(".", 1)[-1] if name else None
+    if accessor in ("__get__", "__set__"):  # an attribute's descriptor: Tensor.data (get)
         owner = getattr(getattr(func, "__self__", None), "__name__", "attribute")
-        return f"Tensor.{owner} ({name.strip('_')})"
+        return f"Tensor.{owner} ({accessor.strip('_')})"
     return name or repr(func)

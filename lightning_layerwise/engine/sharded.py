@@ -49,16 +49,31 @@ Note [sharded experts]
 
 Note [sharded reads]
     A parameter that does not lie in this rank's shard views its bucket's full buffer; while
-    the bucket is freed the parameter carries the read guard's pending class (Note [read
-    guard] in ``engine/read_guard.py``), so a torch operation on it (``.sum()``, ``.data``,
-    ``state_dict()``) comes here first. Inside the wrapper's forward (which, under Lightning,
-    runs ``training_step``, ``validation_step``...), inside a backward and inside
-    :func:`~lightning_layerwise.full_parameters`, the read gathers the bucket: every rank
-    runs the same code there, so every rank gathers it. Anywhere else a rank cannot know
-    whether the others will gather too, so the read raises
-    :class:`ShardedParameterReadError`, naming ``full_parameters``, instead of waiting for a
-    collective that may never come. Metadata (shape, dtype, ``requires_grad``) is always
-    readable.
+    the bucket is freed every parameter of it carries the read guard's pending class (Note
+    [read guard] in ``engine/read_guard.py``), so a torch operation on one (``.sum()``,
+    ``.data``, ``state_dict()``, ``copy.deepcopy``) comes here first. What the read does
+    depends on the innermost read scope:
+
+    * a step (the wrapper's forward; under Lightning ``training_step``, ``validation_step``...)
+      or a backward: every rank runs the same code there, so the read gathers the bucket;
+    * a hook (:meth:`ShardedParameterSync.hook_reads`, entered by the Trainer strategy around
+      each hook of the callbacks, the LightningModule and the datamodule): every rank runs the
+      same hooks in the same order, so the read is a collective too, but one that code may make
+      on some ranks only. The ranks agree on it first (Note [collective reads] in
+      ``engine/collective_reads.py``), then gather the bucket. A hook's buckets are freed at
+      its next read that finds nothing viewing them (a hook reading every parameter holds one
+      bucket at a time; one whose reads keep views, as ``AveragedModel.update_parameters``
+      does, holds them until it ends) and when it ends, once what was written into their split
+      parameters reached this rank's pieces (``WeightAveraging`` swaps the average in);
+    * this rank's own (:meth:`ShardedParameterSync.local_reads`: the optimizer's step, the
+      checkpoint formats' own gathers, even when a hook calls them) or none (a plain loop
+      between steps): a parameter this rank steps whole is read from its shard; any other read
+      raises :class:`ShardedParameterReadError`, in the front end's words (:class:`ReadRules`),
+      instead of waiting for a collective that may never come.
+
+    Inside :meth:`held` nothing is gathered on demand. An error raised here is posted for the
+    other ranks first (Note [failing together] in ``engine/collective_reads.py``). Metadata
+    (shape, dtype, ``requires_grad``) is always readable.
 
 Note [sharded release]
     When the wrapper is released (the end of ``trainer.fit``, ``session.release()``) the
@@ -70,13 +85,18 @@ Note [sharded release]
     because it does not fit whole on a GPU would still not fit there at the end, with the
     optimizer state beside it: when the device's free memory is less than the parameters'
     bytes the copies go to CPU memory instead, with a warning, so the run ends and the
-    module can still be saved, inspected or moved.
+    module can still be saved, inspected or moved. A run that failed issues no collective
+    when released (the other ranks may have failed elsewhere, or not at all): each
+    parameter keeps what this rank holds of it and NaN for the rest (``LayerwiseSession.release``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Literal
+import dataclasses
+import time
+import warnings
+from typing import Callable, Iterable, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -84,12 +104,38 @@ from torch.utils._pytree import tree_leaves
 
 from . import read_guard
 from .buffers import Bucket, ParamState
+from .collective_reads import ReadAgreement, ReadNotShared, ShardedParameterReadError
 from .read_guard import StaleParameterReadError
 from .waiter import Waiter
 
 
-class ShardedParameterReadError(RuntimeError):
-    """A sharded parameter was read where not every rank gathers it (Note [sharded reads])."""
+@dataclasses.dataclass(frozen=True)
+class ReadRules:
+    """How the front end driving the wrapper names the places where every rank runs the same code, and how the
+    module gets its parameters back whole: the words of :class:`ShardedParameterReadError` (Note [sharded reads])."""
+
+    steps: str = "the wrapper's forward"
+    whole_again: str = "After wrapper.release() the module holds every parameter again."
+
+
+class _HookScope:
+    """Reads inside one hook of the front end (Note [sharded reads]): where, and the buckets they gathered, each
+    with the operation that read it (``read_guard.call_index``)."""
+
+    __slots__ = ("where", "gathered")
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.gathered: list[tuple[Bucket, int]] = []
+
+
+_STEP, _LOCAL = "step", "local"  # the other read scopes: a step (the wrapper's forward); this rank's own reads
+
+
+def _references(bucket: Bucket) -> int:
+    """References to ``bucket``'s full storage: its buffer, its parameters, any view taken of them, and for a while
+    after an all-gather, the backend's own."""
+    return torch._C._storage_Use_Count(bucket.param_data.untyped_storage()._cdata)
 
 
 def in_backward() -> bool:
@@ -149,7 +195,15 @@ class ShardedParameterSync:
                 (begin, begin + b.param_shard.numel(), b))
         self._in_flight: list[Bucket] = []
         self._full: dict[int, Bucket] = {}  # ready buckets, by id
-        self._reads_allowed = 0  # inside the wrapper's forward (Note [sharded reads])
+        self._scopes: list = []  # read scopes, innermost last: _STEP, _LOCAL or a _HookScope (Note [sharded reads])
+        self.read_rules = ReadRules()
+        """The front end's words for errors (set by the session that drives the wrapper)."""
+        self._warned_views = False  # a view outlived a hook (warned once)
+        # References to each bucket's storage with no view taken (measured now: nothing in flight holds one)
+        self._unviewed = {id(b): _references(b) for b in gather_order}
+        self.agreement: ReadAgreement | None = None
+        """Every rank's agreement before a read in a hook gathers (Note [collective reads]); ``None``: such reads
+        gather without it (a wrapper no front end drives)."""
         self._held = 0  # full_parameters depth: nothing is freed inside
         self._last_unpacked: Bucket | None = None
         self._hooks_made = 0  # forward pre-hooks made so far: the next one's position in registration order
@@ -219,24 +273,96 @@ class ShardedParameterSync:
             read_guard.restore(param)
             return
         # Inside a step or a backward every rank reads alike, so a read may gather; inside held() (checkpoints)
-        # each rank reads what it owns, so nothing is gathered on demand there.
-        if self._held or (self._reads_allowed == 0 and not in_backward()):
+        # each rank reads what it owns, so nothing is gathered on demand there; in a hook, after an agreement.
+        scope = self._scopes[-1] if self._scopes else None
+        hook = isinstance(scope, _HookScope)
+        if self._held or not (scope is _STEP or hook or in_backward()):
             if id(param) in self._stepped_whole:
                 return  # its values are here (the optimizer's step); it stays marked for the next forward's reads
-            raise ShardedParameterReadError(
-                f"{self.names[param]!r} was read by {read_guard.describe(func)} while its bucket ({bucket.name}) is "
-                "sharded: with shard_parameters=True this rank holds only its shard of it outside the training, "
-                "validation, test and predict steps. Read it inside `with llw.full_parameters(model):`, which "
-                "every rank must enter (it gathers every parameter), or inside a step. After trainer.fit returns "
-                "the module holds every parameter again.")
+            rules = self.read_rules
+            self._fail(ShardedParameterReadError(
+                f"{self.names[param]!r} was read by {read_guard.describe(func)} on rank {self.waiter.rank} while "
+                f"its bucket ({bucket.name}) is sharded: with shard_parameters=True this rank holds only its shard "
+                f"of it outside {rules.steps}. Read it inside `with llw.full_parameters(model):`, which every rank "
+                f"must enter (it gathers every parameter), or inside {rules.steps}. {rules.whole_again}"))
         if self.read_guard == "strict":
-            raise StaleParameterReadError(
+            self._fail(StaleParameterReadError(
                 f"{self.names[param]!r} was read by {read_guard.describe(func)} outside the forward pre-hook of the "
                 f"module that holds it, while its bucket ({bucket.name}) was not gathered. With "
                 "param_read_guard='wait' (the default) this read gathers the bucket and is correct, but costs an "
-                "all-gather that is not overlapped: call the module itself.")
+                "all-gather that is not overlapped: call the module itself."))
+        if hook and not in_backward():
+            self._read_in_hook(scope, bucket, param, func)
+            return
         self.guarded_reads += 1
         self.ensure_gathered(bucket)
+
+    def _fail(self, error: RuntimeError) -> NoReturn:
+        """Raises ``error`` after posting it for the other ranks (Note [failing together])."""
+        board = self.waiter.board
+        if board is not None:
+            board.post(str(error))
+        raise error
+
+    def _read_in_hook(self, scope: _HookScope, bucket: Bucket, param: nn.Parameter, func: Callable) -> None:
+        """A read in a hook every rank runs alike: the buckets earlier reads of the hook gathered are freed unless
+        something views them, every rank agrees on this read, and its bucket is gathered (Note [sharded reads])."""
+        self._free_read(scope, everything=False)
+        if bucket.param_state is ParamState.GATHERING:  # dispatched alike on every rank: waiting is this rank's own
+            self.ensure_gathered(bucket)
+            return
+        if self.agreement is not None:
+            try:
+                self.agreement.agree(self._index[id(bucket)], scope.where)
+            except ReadNotShared as failure:
+                self._fail(ShardedParameterReadError(self._not_shared(param, func, bucket, scope, failure)))
+        self.guarded_reads += 1
+        self.ensure_gathered(bucket)
+        scope.gathered.append((bucket, read_guard.call_index()))
+        deadline = time.perf_counter() + 0.005
+        while _references(bucket) > self._unviewed[id(bucket)] and time.perf_counter() < deadline:
+            time.sleep(0)  # the backend's thread lets go of the all-gather's own views (microseconds)
+
+    def _free_read(self, scope: _HookScope, everything: bool) -> None:
+        """Frees the buckets reads in ``scope`` gathered, once what was written into their split parameters reached
+        this rank's pieces: those nothing views now (``everything``: the hook ended). Inside held(), none."""
+        if self._held:
+            return
+        kept, call = [], read_guard.call_index()
+        for bucket, read_by in scope.gathered:
+            if bucket.param_state is not ParamState.READY:
+                continue
+            viewed = _references(bucket) > self._unviewed[id(bucket)]  # a read's result, or the backend, views it
+            if not everything and (read_by == call or viewed):  # or the operation reading now reads it too
+                kept.append((bucket, read_by))
+                continue
+            if viewed and not self._warned_views:
+                self._warned_views = True
+                warnings.warn(
+                    f"shard_parameters=True: a view of parameters of bucket {bucket.name} taken in {scope.where} "
+                    "outlives it (p.detach() or p.data kept on an object); the bucket is freed as the hook ends, "
+                    "and the view then holds no values (reading it may crash). Keep a copy: p.detach().clone().",
+                    stacklevel=2)
+            self._write_back()
+            self._free(bucket)
+        scope.gathered = kept
+
+    def _not_shared(self, param: nn.Parameter, func: Callable, bucket: Bucket, scope: _HookScope,
+                    failure: ReadNotShared) -> str:
+        """The error of a read in a hook that not every rank makes alike (Note [collective reads])."""
+        read = (f"{self.names[param]!r} was read by {read_guard.describe(func)} in {scope.where} on rank "
+                f"{self.waiter.rank}, which gathers its bucket ({bucket.name}) from every rank")
+        if failure.rows is not None:
+            here = failure.rows[self.agreement.board.rank][1]
+            reads = ", ".join(f"rank {r}: bucket {self.gather_order[b].name}{'' if h == here else ' in another hook'}"
+                              for r, (b, h) in enumerate(failure.rows))
+            what = f"; the ranks read differently at this point ({reads})"
+        else:
+            what = (f", but the other ranks did not make this read within {failure.waited:.0f} s (they wait in "
+                    "another collective, or went on without it)")
+        return (f"{read}{what}. A read of a sharded parameter in a hook is a collective: every rank must read the "
+                "same parameters in the same order (not under `if trainer.is_global_zero:`). To read on some ranks "
+                "only, enter `with llw.full_parameters(model):` on every rank and read inside.")
 
     def release(self, wait: bool = True) -> None:
         """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""
@@ -314,12 +440,37 @@ class ShardedParameterSync:
     # --- reads and full_parameters (Note [sharded reads]) ----------------------------------------------------
     @contextlib.contextmanager
     def reads_allowed(self):
-        """Reads of sharded parameters gather their bucket inside (every rank runs the same code there)."""
-        self._reads_allowed += 1
+        """Reads of sharded parameters gather their bucket inside (the wrapper's forward: every rank runs the same
+        code there)."""
+        with self._scope(_STEP):
+            yield
+
+    @contextlib.contextmanager
+    def hook_reads(self, where: str):
+        """Inside, reads are a hook's that every rank runs in the same order (``where``: its name): a read gathers
+        its bucket once every rank agreed on it, and the buckets it gathered are freed when the hook ends, or at
+        the next read when nothing views them (Note [sharded reads])."""
+        scope = _HookScope(where)
+        with self._scope(scope):
+            try:
+                yield
+            finally:
+                self._free_read(scope, everything=True)
+
+    @contextlib.contextmanager
+    def local_reads(self):
+        """Inside, reads are this rank's own (the optimizer's step, inside a hook): nothing is gathered on demand,
+        a parameter this rank steps whole is read from its shard."""
+        with self._scope(_LOCAL):
+            yield
+
+    @contextlib.contextmanager
+    def _scope(self, scope):
+        self._scopes.append(scope)
         try:
             yield
         finally:
-            self._reads_allowed -= 1
+            self._scopes.pop()
 
     @contextlib.contextmanager
     def held_full(self):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from .collective_reads import FailureBoard, ShardedParameterReadError
 from .collectives import Collective
 
 
@@ -42,17 +43,31 @@ class Waiter:
         """Seconds blocked in waits, by kind; ``None``: not timed."""
         self.events: list[tuple[str, str]] | None = [] if trace else None
         """``(event, bucket name)`` in the order they happened; ``None``: not traced."""
+        self.board: FailureBoard | None = None
+        """Where another rank's error is read while a wait blocks (Note [failing together] in
+        ``engine/collective_reads.py``); ``None``: waits block until the collective ends."""
 
     def wait(self, collective: Collective, kind: str) -> None:
         """Waits for ``collective``, timed under ``kind`` if requested.
 
         A failed collective (a dead or hung rank) raises :class:`CollectiveError` naming the
         phase, chained to the backend's error (which names the peer's address, not its rank).
+        With a :attr:`board`, a wait on CPU tensors that blocks raises the error another rank
+        posted, as :class:`ShardedParameterReadError`, and so does a collective that failed after
+        one was posted (Note [failing together] in ``engine/collective_reads.py``).
         """
         t0 = time.perf_counter() if self.seconds is not None else 0.0
         try:
+            board = self.board
+            if board is not None and collective.pending and not collective.output.is_cuda:
+                board.wait(collective.work)  # Note [failing together] in engine/collective_reads.py
             collective.wait()
+        except ShardedParameterReadError:
+            raise
         except RuntimeError as error:
+            posted = self.board.unseen() if self.board is not None else None
+            if posted is not None:  # the rank that left posted why
+                raise ShardedParameterReadError(posted) from error
             phase = PHASES.get(kind, kind)
             raise CollectiveError(
                 f"the {phase} failed on rank {self.rank} of {self.size}: another rank died, hung past the "

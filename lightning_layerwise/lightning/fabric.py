@@ -42,7 +42,9 @@ from typing_extensions import override
 
 from ..config import config_from_options, named_arguments
 from ..engine.data_parallel import LayerwiseDataParallel
+from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
+from ..engine.sharded import ReadRules
 from ..checkpoint.formats import Checkpoint
 from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
 from .precision import sharded_grad_scaler
@@ -86,6 +88,9 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         own = named_arguments(LayerwiseFabricStrategy.__init__)  # offered too as the closest match of a typo
         start_session(self, config_from_options(type(self).__name__, options, own, timeout=timeout,
                                                 start_method=start_method))  # self.session: the run
+        self.session.read_rules = ReadRules(
+            steps="the forward of the model that fabric.setup returned",
+            whole_again="After fabric.strategy.teardown() (run at exit) the module holds every parameter again.")
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
                          process_group_backend, timeout, start_method)
         self._backward_sync_control = _LayerwiseBackwardSyncControl()
@@ -125,6 +130,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         stack = ExitStack()
         stack.enter_context(torch.device("meta"))
         stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(record_init(self.root_device))  # the model's own init, replayed when materialized
         return stack
 
     @override

@@ -26,6 +26,8 @@ optimizers exist before wrapping) is pinned by the ``lightning`` bound in
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence, Union
@@ -57,12 +59,28 @@ from typing_extensions import override
 from .. import checkpoint as ckpt
 from ..config import LayerwiseConfig, refuse_unknown_keywords
 from ..checkpoint.formats import Checkpoint
+from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
+from ..engine.sharded import ReadRules, ShardedParameterReadError
 from ..layout import DEFAULT_BUCKET_SIZE
 from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import StepHooks, layerwise_precision
 from ..session import is_compiled
+
+
+def _own_reads(method: Callable) -> Callable:
+    """A strategy method that reads parameters on this rank's own terms (the optimizer's step and the masters, the
+    checkpoint formats' own gathers) even where a hook calls it (``ModelCheckpoint``, the LightningModule's
+    ``optimizer_step``): inside, nothing is gathered on demand (Note [sharded reads] in ``engine/sharded.py``);
+    the hooks it calls (``on_before_optimizer_step``) read collectively again."""
+
+    @functools.wraps(method)
+    def with_own_reads(self, *args: Any, **kwargs: Any) -> Any:
+        with self.session.local_reads():
+            return method(self, *args, **kwargs)
+
+    return with_own_reads
 
 
 class LayerwiseStrategy(SessionAdapter, DDPStrategy):
@@ -210,6 +228,10 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             owner=type(self).__name__,
         )
         start_session(self, config)  # self.session: wrapping, steps, checkpoints, teardown
+        self.session.read_rules = ReadRules(
+            steps="the Trainer's steps and Lightning's hooks (where every rank runs the same code)",
+            whole_again="After trainer.fit returns the module holds every parameter again.")
+        self._profiled: Optional[tuple[Any, Any]] = None  # (trainer, its profiler) while hooks read collectively
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -257,7 +279,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), record_init(self.root_device):
             yield
 
     @override
@@ -302,6 +324,9 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self.session.sync_after_step = self._needs_sync_after_step(trainer)
             _finetuning_sees_parameters(trainer, self.session)
+            if self.session.wrapper.shard_parameters:  # reads in hooks gather (Note [collective reads])
+                self._profiled = (trainer, trainer.profiler)
+                trainer.profiler = _HookReads(trainer.profiler, self.session)
 
     def _needs_sync_after_step(self, trainer) -> bool:
         """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
@@ -345,6 +370,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         self.session.after_backward()
 
     @override
+    @_own_reads
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union["torch.nn.Module", Any]] = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -380,10 +406,12 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         return True
 
     @override
+    @_own_reads
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.session.module_state_dict(self.lightning_module)
 
     @override
+    @_own_reads
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state keyed by parameter name (Note [checkpoint keys] in ``checkpoint/named_state.py``), in the
         form
@@ -393,6 +421,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         return self.session.checkpoints.optimizer_state(optimizer)
 
     @override
+    @_own_reads
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
         target = self.broadcast(str(filepath))
@@ -413,6 +442,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
                         self.checkpoint_io.remove_checkpoint(leftover)
 
     @override
+    @_own_reads
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         module = self.lightning_module
         fitting = module.trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
@@ -426,11 +456,13 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         return loaded.state
 
     @override
+    @_own_reads
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         if "state_dict" in checkpoint:  # else sharded: read by load_checkpoint
             self.session.checkpoints.load_model_state(checkpoint["state_dict"], strict=strict)
 
     @override
+    @_own_reads
     def load_optimizer_state_dict(self, checkpoint) -> None:
         _restore_finetuning_param_groups(self.lightning_module)
         self.session.checkpoints.load_optimizer_states(self._user_optimizers(), checkpoint["optimizer_states"])
@@ -439,9 +471,23 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     @override
     def teardown(self) -> None:
         # Lightning also tears down after a failed fit, from inside its exception handler (session.release).
+        if self._profiled is not None:
+            trainer, profiler = self._profiled
+            trainer.profiler, self._profiled = profiler, None
         if self.session.release() is not None:
             self.model = self.lightning_module
-        super().teardown()
+        module = self.lightning_module
+        # A model refused on the meta device (Note [meta-device models]) stays there: Lightning's move to the CPU
+        # would raise over the error that ended the fit.
+        refused = module is not None and has_meta_tensors(module)
+        if refused:
+            self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            if refused:
+                self._lightning_module = module
+        _raise_posted_failure(self.session)
 
     @classmethod
     @override
@@ -508,3 +554,43 @@ def _parameter_readers(trainer) -> list[str]:
     if any(getattr(type(module), h) is not getattr(LightningModule, h) for h in _BETWEEN_STEP_HOOKS):
         readers.append(f"{type(module).__name__} (LightningModule hooks)")
     return readers
+
+
+class _HookReads:
+    """``trainer.profiler`` while a model with sharded parameters fits: Lightning calls every hook of the callbacks,
+    the LightningModule and the datamodule inside ``trainer.profiler.profile(name)``, on every rank in the same
+    order, so each runs there inside ``session.hook_reads(name)`` and its reads of parameters gather on demand as
+    collectives (Note [collective reads] in ``engine/collective_reads.py``). Everything else is the profiler's.
+    Installed by the strategy's ``setup`` for fitting, removed by its ``teardown``."""
+
+    _HOOKS = ("[Callback]", "[LightningModule]", "[LightningDataModule]")
+
+    def __init__(self, profiler, session) -> None:
+        object.__setattr__(self, "_profiler", profiler)
+        object.__setattr__(self, "_session", session)
+
+    @contextlib.contextmanager
+    def profile(self, action_name: str):
+        with self._profiler.profile(action_name):
+            if action_name.startswith(self._HOOKS):
+                with self._session.hook_reads(action_name):
+                    yield
+            else:
+                yield
+
+    def __getattr__(self, name: str):
+        return getattr(self._profiler, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._profiler, name, value)
+
+
+def _raise_posted_failure(session) -> None:
+    """Called at the end of a teardown: when the fit failed here with another error (a connection that rank closed,
+    in one of Lightning's collectives) after another rank posted a read error (Note [failing together] in
+    ``engine/collective_reads.py``), that error, so that every rank ends with it. Lightning's teardown after the
+    strategy's is then skipped: the process is failing."""
+    error, failure = sys.exc_info()[1], session.failure
+    session.failure = None
+    if error is not None and failure is not None and not isinstance(error, ShardedParameterReadError):
+        raise ShardedParameterReadError(failure) from error

@@ -98,8 +98,10 @@ class LateWork:
         return self._done.is_set()
 
     def wait(self, timeout=None) -> bool:
-        # No timeout of its own: the collective itself fails after the process group's timeout.
-        self._done.wait()
+        """As torch's ``Work.wait``: a ``timeout`` (a ``timedelta``) that passes first raises ``RuntimeError`` and
+        leaves the collective queued. Without one, the collective itself fails after its group's timeout."""
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("Operation timed out!")
         if self._error is not None:
             raise self._error
         return True

@@ -14,7 +14,9 @@ gradients during the backward, and nothing after the step. The optimizer state i
 which is checked too). A mutation that never frees a bucket after its use fails the bound.
 
 A model built on the meta device is materialized at set-up with a peak of its shards and one bucket
-(measured by the profiler's record of every allocation), its values rank 0's and equal to a plain build.
+(measured by the profiler's record of every allocation), its values rank 0's and equal to a plain build; built
+under the recording of ``init_module(empty_init=True)``, also when it initializes itself nanoGPT's way
+(``apply(_init_weights)``, then a re-init by name at the end), each parameter published as soon as it is final.
 """
 
 from __future__ import annotations
@@ -26,8 +28,12 @@ from torch import nn
 import lightning_layerwise as llw
 from _dist import run_distributed
 from benchmarks.bench_backward_memory import _peak_during  # the CPU allocator's record, as measured there
+from _init_styles import NanoGPT
 from lightning_layerwise.engine import sharded
 from lightning_layerwise.engine.buffers import is_allocated
+from lightning_layerwise.engine.init_record import record_init, recordings_of
+from lightning_layerwise.engine.init_replay import plan_replay
+from lightning_layerwise.engine.sharded_init import ParameterPublisher
 
 WORLD = 4
 DEPTH = 2
@@ -146,8 +152,9 @@ def _setup_worker(rank, world, meta, shard=True):
 def test_a_meta_device_model_is_materialized_bucket_by_bucket():
     """Built under ``torch.device("meta")`` (what ``init_module(empty_init=True)`` does with sharded parameters),
     a 12-layer stack is materialized at 4 ranks with a set-up peak (every allocation recorded by the profiler) of
-    at most the rank's shards (parameters and gradients) and one bucket: each parameter is initialized in its
-    slot of the bucket being filled. Built on the CPU, it is sharded within the same bound beyond the model as
+    at most the rank's shards (parameters and gradients) and one bucket: each module's parameters are initialized
+    in memory of their own and published into the shards once final (Note [publishing parameters one by one] in
+    engine/sharded_init.py). Built on the CPU, it is sharded within the same bound beyond the model as
     built (buckets filled, broadcast and cut one at a time); without sharding the wrapper's full buffers take
     several times that. Values: rank 0's, equal to building the model on the CPU with rank 0's seed; the
     optimizer holds the parameters that replaced the meta ones."""
@@ -165,6 +172,72 @@ def test_a_meta_device_model_is_materialized_bucket_by_bucket():
         assert in_optimizer
         for name, value in values.items():
             assert torch.equal(value, plain[name]), (rank, name)
+
+
+def in_flight_bound(model: nn.Module) -> int:
+    """The most parameter bytes whose values have started but are not final at once, by the replay's plan: from
+    the first op that writes a lasting value to the last op that touches it (Note [meta-device models])."""
+    ops = [op for r in recordings_of(model) for op in r.ops]
+    sizes = {p.untyped_storage()._cdata: p.numel() * 4 for p in model.parameters()}
+    plan = plan_replay(ops, set(sizes), torch.device("cpu"))
+    first = {}
+    for i, op in enumerate(ops):
+        if plan.live[i] and not op.uninitialized:
+            for key in op.writes & sizes.keys():
+                first.setdefault(key, i)
+    return max(sum(size for key, size in sizes.items() if first[key] <= i <= plan.last[key]) for i in range(len(ops)))
+
+
+def _recorded_setup_worker(rank, world, name, mutation):
+    if mutation == "keep-values":  # a publisher that keeps every parameter's own memory
+        kept, final = [], ParameterPublisher.final
+        ParameterPublisher.final = lambda self, old, new: (kept.append(new.detach().clone()), final(self, old, new))
+    build = (lambda: Stack(width=96, layers=12)) if name == "stack" else (lambda: NanoGPT(n_layer=4, n_embd=32))
+    torch.manual_seed(rank)  # each rank's own random state: the values must still be rank 0's
+    with torch.device("meta"), record_init("cpu"):
+        model = build()
+    with torch.device("meta"), record_init("cpu"):  # the same build again, for its plan
+        in_flight = in_flight_bound(build())
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True,
+                                                       bucket_size=12000 if name == "stack" else 6000))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    box = []
+    peak, _ = _peak_during(lambda: box.append(session.wrap(model, optimizer)))
+    wrapped = box[0]
+    with llw.full_parameters(model):
+        values = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    bucket = max(b.param_data.numel() for b in wrapped.buckets) * 4
+    shard = sum(b.param_shard.numel() + b.grad_shard.numel() for b in wrapped.buckets if b.param_shard is not None)
+    largest = max(p.numel() for p in model.parameters()) * 4
+    session.release()
+    return peak, shard * 4, bucket, in_flight, largest, values
+
+
+@pytest.mark.parametrize("name, mutation", [("stack", None), ("nanogpt", None), ("nanogpt", "keep-values")])
+def test_a_recorded_build_is_published_parameter_by_parameter(name, mutation):
+    """Built under the recording of ``init_module(empty_init=True)`` (Note [publishing parameters one by one] in
+    engine/sharded_init.py): the set-up peak is at most the rank's shards, the larger of one bucket and the
+    parameters in flight (plus one), one scratch tensor (an overwritten init's draws) and the generator's saved
+    state. Here that is the shards and one bucket: the stack initializes each layer in its constructor;
+    nanoGPT's ``apply(_init_weights)`` and its re-init by name at the end leave no bucket waiting, full, for a
+    weight re-initialized at the end. Values: rank 0's, equal to an eager build with rank 0's seed, bitwise. A
+    publisher that keeps every value fails the bound."""
+    torch.manual_seed(0)
+    want = (Stack(width=96, layers=12) if name == "stack" else NanoGPT(n_layer=4, n_embd=32)).state_dict()
+    over = []
+    for rank, (peak, shard, bucket, in_flight, largest, values) in enumerate(
+            run_distributed(_recorded_setup_worker, WORLD, name, mutation)):
+        assert all(torch.equal(values[k], want[k]) for k in want), rank
+        state = torch.get_rng_state().numel()  # the generator's state, saved while the replay moves it (5 KiB)
+        bound = shard + max(bucket, in_flight + largest) + largest + state + 1024
+        print(f"{name} rank {rank}: set-up peak {peak} B; shards {shard} B, one bucket {bucket} B, in flight "
+              f"{in_flight} B, largest parameter {largest} B")
+        if peak > bound or peak > shard + bucket + state + 1024:
+            over.append((rank, peak, bound, shard + bucket + state + 1024))
+    if mutation is None:
+        assert not over, over
+    else:
+        assert over, "a publisher that keeps every value stayed within the bound: the test cannot fail"
 
 
 # --- which buckets are full during a forward (Note [when a bucket is full] in engine/sharded.py) -------------------

@@ -1,0 +1,56 @@
+"""A read of a sharded parameter that cannot be served, in a plain loop: every rank ends with the same error.
+
+Between steps a rank holds only its shard, and a plain torch loop has no place where every rank is known to
+read alike (Note [sharded reads] in ``engine/sharded.py``), so a read there of a parameter the rank does not
+step raises :class:`ShardedParameterReadError`, worded for :class:`LayerwiseSession`. When rank 0 alone reads,
+the other ranks go on into the next step and wait in its all-gather for rank 0: they learn its error from the
+board (Note [failing together] in ``engine/collective_reads.py``) and raise it too, within 60 s, at 2 and 3
+ranks, with ``nn.MultiheadAttention`` in the model, also under the timing fuzzer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import lightning_layerwise as llw
+from _dist import LATE_MS, run_distributed
+from test_sharded_parameters import batches, loss_of, make_model, make_optimizer
+
+
+def _one_rank_reads_worker(rank, world):
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=1000))
+    model = make_model("attention")
+    opt = make_optimizer("adamw", model)
+    wrapped = session.wrap(model, opt)
+    not_mine = next(n for n, p in model.named_parameters() if not wrapped.owns(p))
+    start = time.monotonic()
+    try:
+        for step, (idx, target) in enumerate(batches("attention")):
+            opt.zero_grad()
+            session.backward(loss_of(wrapped, idx.chunk(world)[rank], target.chunk(world)[rank]))
+            session.step(opt)
+            if step == 1 and rank == 0:
+                model.get_parameter(not_mine).sum()  # rank 0 alone, between steps
+    except llw.ShardedParameterReadError as error:
+        session.release()  # inside the handler: a failed run issues no collective
+        return not_mine if rank == 0 else None, str(error), time.monotonic() - start
+    session.release()
+    return None, "no error", time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("late", [None, LATE_MS], ids=["now", "late"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_read_between_steps_on_one_rank_ends_every_rank_with_its_error(world, late):
+    results = run_distributed(_one_rank_reads_worker, world, late_ms=late, timeout=120)
+    name = results[0][0]
+    for rank, (_, message, seconds) in enumerate(results):
+        assert seconds < 60, (rank, seconds)
+        assert message.startswith(f"{name!r} was read by ") and "sum on rank 0 while its bucket" in message, message
+        assert "outside the forward of the model that session.wrap returned" in message, message
+        assert "After session.release() the module holds every parameter again." in message, message
+        assert "trainer" not in message.lower() and "fabric" not in message.lower(), message
+        assert rank == 0 or "(raised on rank 0;" in message, message
