@@ -579,8 +579,10 @@ def make_strategy(worker: Worker, devices: int):
     import lightning_layerwise as llw
 
     if worker.config.strategy == "layerwise":
-        return llw.LayerwiseStrategy(bucket_size=worker.size.bucket_size, overlap_param_gather=worker.config.overlap,
-                                     shard_parameters=worker.config.shard)
+        # Sharded parameters at their default settings (bucket_size="auto"): what a user who sets nothing gets.
+        options = {} if worker.config.shard else {"bucket_size": worker.size.bucket_size}
+        return llw.LayerwiseStrategy(overlap_param_gather=worker.config.overlap, shard_parameters=worker.config.shard,
+                                     **options)
     if worker.config.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 

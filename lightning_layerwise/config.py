@@ -20,7 +20,8 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import torch
 from torch.distributed.constants import default_pg_timeout
 
-from .layout import DEFAULT_BUCKET_SIZE, is_bucket_size
+from .layout import (DEFAULT_BUCKET_SIZE, SHARDED_BUCKET_SIZE, is_bucket_size, resolve_bucket_size,
+                     resolve_prefetch_depth)
 from .optim.elementwise import resolve_optimizer_classes
 from .engine.read_guard import READ_GUARDS
 
@@ -32,8 +33,9 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 class LayerwiseConfig:
     """The settings of one layer-wise strategy; see ``LayerwiseStrategy`` and docs/usage.md for each."""
 
-    bucket_size: int = DEFAULT_BUCKET_SIZE
-    """Elements per communication bucket (all shards together)."""
+    bucket_size: Union[int, Literal["auto"]] = "auto"
+    """Elements per communication bucket (all shards together); ``"auto"``: ``DEFAULT_BUCKET_SIZE``, or
+    ``SHARDED_BUCKET_SIZE`` with ``shard_parameters`` (a bucket is then also what a forward gathers)."""
     overlap_grad_reduce: bool = True
     """Dispatch a bucket's reduce-scatter during backward as soon as its gradients are complete."""
     overlap_param_gather: Union[bool, Literal["auto"]] = "auto"
@@ -41,8 +43,9 @@ class LayerwiseConfig:
     param_read_guard: Literal["wait", "strict", "off"] = "wait"
     """What a read of a parameter whose all-gather has not landed does (Note [read guard] in
     ``engine/read_guard.py``)."""
-    prefetch_depth: int = 2
-    """Buckets whose all-gather may be in flight at once."""
+    prefetch_depth: Union[int, Literal["auto"]] = "auto"
+    """Buckets whose all-gather may be in flight at once; ``"auto"``: 2, and 1 with ``shard_parameters`` (each
+    prefetched bucket is then held full)."""
     separate_all_gather_group: bool = True
     """All-gathers on their own process group, so they can overlap reduce-scatters."""
     grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -78,19 +81,31 @@ class LayerwiseConfig:
     owner: InitVar[str] = "LayerwiseConfig"
     """The name errors give the settings under (the strategy class); not kept."""
 
+    @property
+    def planned_bucket_size(self) -> int:
+        """The bucket length the layout is planned with (``"auto"`` resolved)."""
+        return resolve_bucket_size(self.bucket_size, self.shard_parameters)
+
+    @property
+    def planned_prefetch_depth(self) -> int:
+        """The all-gathers in flight at once (``"auto"`` resolved)."""
+        return resolve_prefetch_depth(self.prefetch_depth, self.shard_parameters)
+
     def __post_init__(self, owner: str) -> None:
         cls = owner
-        if not is_bucket_size(self.bucket_size):
+        if self.bucket_size != "auto" and not is_bucket_size(self.bucket_size):
             raise ValueError(f"{cls}(bucket_size={self.bucket_size!r}): pass a positive number of elements, "
-                             f"e.g. bucket_size={DEFAULT_BUCKET_SIZE}.")
+                             f"e.g. bucket_size={DEFAULT_BUCKET_SIZE}, or 'auto' ({DEFAULT_BUCKET_SIZE}, and "
+                             f"{SHARDED_BUCKET_SIZE} with shard_parameters=True).")
         if self.overlap_param_gather not in (True, False, "auto"):
             raise ValueError(f"{cls}(overlap_param_gather={self.overlap_param_gather!r}): use True, False or 'auto'.")
         if self.param_read_guard not in READ_GUARDS:
             raise ValueError(f"{cls}(param_read_guard={self.param_read_guard!r}): use 'wait' (reads wait for their "
                              "all-gather), 'strict' (such reads raise, for debugging) or 'off' (stale reads, for "
                              "measurements only).")
-        if not _is_count(self.prefetch_depth):
-            raise ValueError(f"{cls}(prefetch_depth={self.prefetch_depth!r}): pass an integer >= 1.")
+        if self.prefetch_depth != "auto" and not _is_count(self.prefetch_depth):
+            raise ValueError(f"{cls}(prefetch_depth={self.prefetch_depth!r}): pass an integer >= 1, or 'auto' (2, and "
+                             "1 with shard_parameters=True).")
         if self.grad_reduce_dtype is not None and self.grad_reduce_dtype not in DTYPES:
             raise ValueError(f"{cls}(grad_reduce_dtype={self.grad_reduce_dtype!r}): use one of {sorted(DTYPES)} or "
                              "None (the parameter dtype).")

@@ -253,8 +253,8 @@ class LayerwiseSession:
             expert_owner_group_size=layout.expert_group_size if layout is not None and E > 1 else None)
         c = self.config
         self.wrapper = LayerwiseDataParallel(
-            module, process_groups=self.groups, bucket_size=c.bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
-            overlap_param_gather=c.overlap_param_gather is not False, prefetch_depth=c.prefetch_depth,
+            module, process_groups=self.groups, bucket_size=c.planned_bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
+            overlap_param_gather=c.overlap_param_gather is not False, prefetch_depth=c.planned_prefetch_depth,
             grad_reduce_dtype=self._grad_reduce_dtype(), broadcast_buffers=c.broadcast_buffers,
             param_read_guard=c.param_read_guard, elementwise=predicate, expert=expert, layout=layout,
             shard_parameters=c.shard_parameters, reshard_after_forward=c.reshard_after_forward, device=self.env.device)
@@ -353,7 +353,7 @@ class LayerwiseSession:
         E = c.expert_parallel_size
         expert_dp = world // E if has_experts and E > 1 else None
         ge = groups.expert_owner_size if expert_dp is not None else None
-        return plan_layout(specs, g, c.bucket_size, expert_dp=ge, replicas=world // g,
+        return plan_layout(specs, g, c.planned_bucket_size, expert_dp=ge, replicas=world // g,
                            expert_replicas=expert_dp // ge if ge else 1)
 
     def _plan(self, specs, has_experts: bool) -> tuple[int, Optional[Layout]]:
@@ -375,14 +375,14 @@ class LayerwiseSession:
         elif c.owner_group_size == "auto" and self.env.ranks_per_node and world > self.env.ranks_per_node and specs:
             grad_dtype = self._grad_reduce_dtype()
             g, layout = choose_owner_group_size(
-                specs, world, c.bucket_size, ranks_per_node=self.env.ranks_per_node,
+                specs, world, c.planned_bucket_size, ranks_per_node=self.env.ranks_per_node,
                 grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None, expert_dp=expert_dp)
             if g != world:
                 self.env.info(f"{self.name}: owner groups of {g} ranks (owner_group_size='auto'; {world // g} "
                               "groups).")
         if layout is None and specs:  # no parameter to train: the wrapper says so
-            ge = choose_expert_group_size(specs, expert_dp, c.bucket_size) if expert_dp is not None else None
-            layout = plan_layout(specs, g, c.bucket_size, expert_dp=ge, replicas=world // g,
+            ge = choose_expert_group_size(specs, expert_dp, c.planned_bucket_size) if expert_dp is not None else None
+            layout = plan_layout(specs, g, c.planned_bucket_size, expert_dp=ge, replicas=world // g,
                                  expert_replicas=expert_dp // ge if ge else 1)
         return g, layout
 

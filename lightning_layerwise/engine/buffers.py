@@ -195,7 +195,9 @@ class Bucket:
     """Sharded parameters (Note [sharded parameters]): this rank's shard of the parameters, always held;
     ``None``: every rank holds the whole bucket in ``param_data``."""
     grad_shard: torch.Tensor | None = None
-    """Sharded parameters: this rank's shard of the reduced gradient, always held."""
+    """Sharded parameters: this rank's shard of the reduced gradient, a tensor of its own storage: allocated
+    (zeroed) at the bucket's first reduction after the gradients were dropped, freed when they are dropped
+    (Note [sharded gradients] in ``engine/grad_sync.py``)."""
 
     @property
     def sharded(self) -> bool:
@@ -225,6 +227,9 @@ class Bucket:
         begin, end = self.stepped_range
         if self.grad_shard is None:
             return self.grad_data[begin:end]
+        if not is_allocated(self.grad_shard):  # dropped: zero until a reduction lands
+            allocate(self.grad_shard)
+            self.grad_shard.zero_()
         first = self.shard[0]
         return self.grad_shard[begin - first:end - first]
 
@@ -260,6 +265,10 @@ class Bucket:
         self.reduce = None
 
     # --- sharded parameters (Note [sharded parameters]) ---------------------------------------------------------
+    def drop_grad_shard(self) -> None:
+        """The gradients were dropped: the shard's storage is freed until the next reduction lands in it."""
+        free(self.grad_shard)
+
     def ensure_grad_buffer(self) -> None:
         """Allocates the full gradient buffer, zeroed, unless it is held."""
         if not is_allocated(self.grad_data):
@@ -388,16 +397,17 @@ def allocate_shards(layout: Layout, buckets: list[Bucket], dtypes: list[tuple[to
         param_dtype, grad_dtype = dtypes[b_index]
         total = sum(bp.numel // bp.shards for bp in plan.buckets)
         params = torch.empty(total, dtype=param_dtype, device=device)
-        grads = torch.zeros(total, dtype=grad_dtype, device=device)
         position = 0
         for bucket, bp in zip(mine, plan.buckets):
             size = bp.numel // bp.shards
             bucket.param_shard = params[position:position + size]
-            bucket.grad_shard = grads[position:position + size]
+            # Each bucket's gradient shard has storage of its own, freed whenever the gradients are dropped, so
+            # that a backward holds the shards of the buckets it reduced so far only (Note [sharded gradients]).
+            bucket.grad_shard = torch.zeros(size, dtype=grad_dtype, device=device)
             bucket.grad_data = torch.empty(bp.numel, dtype=grad_dtype, device=device)
             free(bucket.grad_data)
             position += size
-        sharded.append(FlatBuffer(params, grads))
+        sharded.append(FlatBuffer(params, torch.empty(0, dtype=grad_dtype, device=device)))
     return sharded
 
 

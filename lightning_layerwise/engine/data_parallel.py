@@ -121,6 +121,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from itertools import chain
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -137,7 +138,7 @@ from .sharded import ShardedParameterSync
 from .waiter import CollectiveError, Waiter  # noqa: F401  CollectiveError: its import path since 0.1
 from ..experts import marked_containers
 from ..layout import (DEFAULT_BUCKET_SIZE, Layout, ParamSpec, is_bucket_size, newton_schulz_cost, param_specs,
-                      plan_layout)
+                      plan_layout, resolve_bucket_size, resolve_prefetch_depth)
 from ..optim.matrices import matrix_shapes, matrix_views
 from .process_groups import ProcessGroups, Ranks
 from .read_guard import READ_GUARDS, ReadGuard
@@ -150,7 +151,7 @@ class LayerwiseDataParallel(nn.Module):
     Args:
         module: the model. Its trainable parameters become views into flat buffers.
         process_groups: the groups to talk over; default: :meth:`ProcessGroups.create`.
-        bucket_size: bucket length in elements.
+        bucket_size: bucket length in elements; ``"auto"``: ``layout.resolve_bucket_size``'s.
         overlap_grad_reduce: dispatch a bucket's reduce-scatter during backward as
             soon as its gradients are complete (otherwise all at :meth:`finish_grad_sync`).
         overlap_param_gather: all-gather parameters asynchronously and wait per bucket
@@ -193,10 +194,10 @@ class LayerwiseDataParallel(nn.Module):
         self,
         module: nn.Module,
         process_groups: ProcessGroups | None = None,
-        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        bucket_size: int | Literal["auto"] = "auto",
         overlap_grad_reduce: bool = True,
         overlap_param_gather: bool = True,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | Literal["auto"] = "auto",
         grad_reduce_dtype: torch.dtype | None = None,
         broadcast_buffers: bool = True,
         cost: Callable[[ParamSpec], float] = newton_schulz_cost,
@@ -211,6 +212,8 @@ class LayerwiseDataParallel(nn.Module):
     ) -> None:
         init_args = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__()
+        bucket_size = resolve_bucket_size(bucket_size, shard_parameters)
+        prefetch_depth = resolve_prefetch_depth(prefetch_depth, shard_parameters)
         _check_arguments(bucket_size, prefetch_depth, param_read_guard)
         self._init_args = init_args  # rebuild() wraps the same module again with a new layout
         self.on_new_trainable: Callable[[list[str]], None] | None = None
@@ -473,6 +476,7 @@ class LayerwiseDataParallel(nn.Module):
     def _unshard_for_release(self) -> set[nn.Parameter]:
         """``release()`` with sharded parameters (Note [sharded release] in ``engine/sharded.py``): every trainable
         parameter gets its own storage holding its full value, bucket by bucket (collective). Returns them."""
+        self.grad_sync.zero_grad_buffer()  # a released module has no gradient: the shards go before the gather
         params = list(self._param_names)
         nbytes = sum(p.numel() * p.element_size() for p in params)
         target = _release_device(params[0].device, nbytes) if params else torch.device("cpu")
@@ -1100,7 +1104,7 @@ def _check_arguments(bucket_size, prefetch_depth, param_read_guard) -> None:
     """The wrapper's own arguments, before anything is built."""
     if not is_bucket_size(bucket_size):
         raise ValueError(f"bucket_size={bucket_size!r} must be a positive number of elements, "
-                         f"e.g. {DEFAULT_BUCKET_SIZE}.")
+                         f"e.g. {DEFAULT_BUCKET_SIZE}, or 'auto'.")
     if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
         raise ValueError(f"prefetch_depth={prefetch_depth!r} must be an integer >= 1 "
                          "(1 overlaps one bucket's all-gather with the module before it).")

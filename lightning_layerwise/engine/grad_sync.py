@@ -109,7 +109,11 @@ Note [sharded gradients]
     to reach the bucket allocates it (zeroed), the hook adds each gradient into it (the copy
     path: autograd's own ``.grad`` is dropped at once, as there is no slot to accumulate into
     beforehand), and the reduce-scatter averages it in place; this rank's shard of the mean
-    is then *added* into the bucket's gradient shard and the full buffer freed. At most
+    is then *added* into the bucket's gradient shard and the full buffer freed. The gradient
+    shard has storage of its own per bucket: freed when the gradients are dropped (a backward
+    after ``zero_grad``, gradients carried aside first), allocated zeroed when the bucket's
+    first reduction lands, so a backward holds the shards of the buckets reduced so far,
+    as FSDP2's per-parameter sharded gradients. At most
     ``prefetch_depth`` reduce-scatters are in flight, so at most that many full gradient
     buffers wait for the network. Every reducing backward reduces every bucket by its end (a
     callback autograd's engine runs when the backward ends), so micro-batches accumulated
@@ -412,7 +416,9 @@ class GradientSync:
         self._refresh_stepped_apart()  # registers the gradient hooks
         self._mark_split_gradients()
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
-        self._grad_storages = {flat.grads.untyped_storage().data_ptr() for flat in flat_buffers}
+        # By storage object, not address: a sharded bucket's gradient shard is freed and allocated again.
+        self._grad_storages = {flat.grads.untyped_storage()._cdata for flat in flat_buffers} | {
+            b.grad_shard.untyped_storage()._cdata for b in buckets if b.grad_shard is not None}
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
 
     def _device(self) -> torch.device:
@@ -537,6 +543,7 @@ class GradientSync:
             b.restart()
             if self.sharded:
                 free(b.grad_data)
+                b.drop_grad_shard()  # carried values are in self._carry, added back after the reduction
         self._reducing, self._unreduced, self._flushed = [], False, False
         self._next_reduce = 0
         self._replica_queue, self._replica_started = [], set()
@@ -865,7 +872,7 @@ class GradientSync:
         if not self._grads_handed_out:
             return False
         return isinstance(tensor, SplitGradient) or id(tensor) in self._copies \
-            or tensor.untyped_storage().data_ptr() in self._grad_storages
+            or tensor.untyped_storage()._cdata in self._grad_storages
 
     def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
         """``param.grad`` was cleared: clear the gradient of the tensor the optimizer holds in its place (a piece,

@@ -100,6 +100,8 @@ Note [element-wise fill]
        its :class:`Piece` on each rank is the part inside that rank's shard, and
        that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
 
+    A flat bucket also closes where a layer ends (Note [flat layers] in ``layout/flat.py``) once it holds half of ``bucket_size``.
+
     The planner also packs the buffer with the element-wise parameters owned whole
     (as peers and fill of the rounds, as before) and keeps that layout when its
     buffer is smaller: an embedding the size of the MLP matrices is their peer.
@@ -140,6 +142,7 @@ import torch
 
 from .plan import (ALIGNMENT, DEFAULT_BUCKET_SIZE, BucketPlan, BufferPlan, Layout, ParamSlot, ParamSpec, Piece, aligned,
                    is_bucket_size, newton_schulz_cost, numel_cost)
+from .flat import CHUNK_ALIGNMENT, plan_flat
 from .sharing import share_among_replicas
 
 
@@ -272,7 +275,7 @@ def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, co
         if elementwise:
             buckets, rest = _pour(buckets, elementwise, queue, located, pieces, cost, costs)
             start = buckets[-1].end if buckets else 0
-            buckets = buckets + _plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs,
+            buckets = buckets + plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs,
                                            replicas)
         return buckets, located, pieces, cost
 
@@ -342,50 +345,6 @@ def _pour(buckets: list[BucketPlan], elementwise: list[ParamSpec], queue: list[P
     return poured, rest
 
 
-def _plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, first_index: int,
-               located: dict[str, tuple[int, int]], pieces: dict[str, tuple[Piece, ...]], rank_cost: list[float],
-               costs: Mapping[str, float], replicas: int = 1) -> list[BucketPlan]:
-    """Element-wise parameters packed back to back, in backward order, into buckets split into
-    ``dp`` equal shards; a parameter crossing a shard boundary is stepped in pieces. With ``replicas`` owner
-    groups sharing the stepping, a shard is rounded up to a multiple of ``replicas * 16`` elements too, so that it
-    cuts into ``replicas`` equal chunks aligned to :data:`CHUNK_ALIGNMENT` (Note [replica sharing] in
-    ``layout/sharing.py``).
-    See Note [element-wise fill]."""
-    buckets: list[BucketPlan] = []
-    members: list[ParamSpec] = []
-    bucket_start = cursor = start
-
-    def close() -> None:
-        nonlocal bucket_start
-        length = aligned(cursor - bucket_start, dp * math.lcm(ALIGNMENT, replicas * CHUNK_ALIGNMENT))
-        shard = length // dp
-        for spec in members:
-            offset = located[spec.name][1]
-            owned = []
-            for rank in range(dp):
-                lo = bucket_start + rank * shard
-                a, b = max(offset, lo), min(offset + spec.numel, lo + shard)
-                if a < b:
-                    owned.append(Piece(rank, a - offset, b - offset))
-                    rank_cost[rank] += costs[spec.name] * (b - a) / spec.numel
-            pieces[spec.name] = tuple(owned)
-        buckets.append(BucketPlan(first_index + len(buckets), bucket_start, bucket_start + length, dp,
-                                  tuple(s.name for s in members)))
-        bucket_start += length
-        members.clear()
-
-    for spec in queue:
-        located[spec.name] = (first_index + len(buckets), cursor)
-        members.append(spec)
-        cursor += aligned(spec.numel)
-        if cursor - bucket_start >= bucket_size:
-            close()
-            cursor = bucket_start
-    if members:
-        close()
-    return buckets
-
-
 def _plan_buffer(
     queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float], rank_cost: Sequence[float]
 ) -> tuple[list[BucketPlan], dict[str, tuple[int, int, int]], list[float]]:
@@ -428,10 +387,6 @@ def _search(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[st
 
 
 _MAX_SOLO_SEEDS = 8
-
-CHUNK_ALIGNMENT = 16
-"""Elements a flat shard's equal chunks are aligned to across owner groups (64 bytes of fp32, 32 of bf16): smaller
-than :data:`ALIGNMENT`, so that the rounding, sent across the groups as padding, stays small at many replicas."""
 
 
 def _fill_fits(sizes: list[int], count: Mapping[int, int], fill: Mapping[int, int], dp: int) -> bool:

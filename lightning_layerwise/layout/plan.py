@@ -35,6 +35,18 @@ DEFAULT_BUCKET_SIZE = 40_000_000
 """Default bucket length in elements (about 160 MB of fp32 gradients)."""
 
 
+SHARDED_BUCKET_SIZE = 1 << 22
+
+
+"""Bucket length in elements with ``shard_parameters=True`` and ``bucket_size="auto"`` (16 MiB of fp32).
+
+With sharded parameters a bucket is also the unit gathered for a forward and a backward, so it
+sets the working set (Note [when a bucket is full] in ``engine/sharded.py``): a bucket closes as
+soon as it holds this many elements, which makes most buckets one round of the planner (``group_size``
+matrices of one size from neighbouring layers) or one layer's element-wise parameters.
+"""
+
+
 Kind = Literal["dense", "expert"]
 
 
@@ -324,6 +336,23 @@ class Layout:
 def is_bucket_size(value) -> bool:
     """The one rule for a bucket size, wherever it is given: an ``int`` (not a ``bool``) >= 1."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def resolve_prefetch_depth(prefetch_depth: int | Literal["auto"], shard_parameters: bool) -> int:
+    """The all-gathers in flight at once: ``prefetch_depth``, or for ``"auto"`` 1 with sharded parameters (each
+    prefetched bucket is held full, and one hides a gather behind a bucket's compute, as FSDP2's default does)
+    and 2 without (nothing is held beyond the parameters)."""
+    if prefetch_depth == "auto":
+        return 1 if shard_parameters else 2
+    return prefetch_depth
+
+
+def resolve_bucket_size(bucket_size: int | Literal["auto"], shard_parameters: bool) -> int:
+    """The bucket length a plan uses: ``bucket_size``, or for ``"auto"`` :data:`SHARDED_BUCKET_SIZE` with sharded
+    parameters and :data:`DEFAULT_BUCKET_SIZE` without."""
+    if bucket_size == "auto":
+        return SHARDED_BUCKET_SIZE if shard_parameters else DEFAULT_BUCKET_SIZE
+    return bucket_size
 
 
 def param_specs(module: torch.nn.Module, expert: Callable[[str, torch.nn.Parameter], bool] | None = None,

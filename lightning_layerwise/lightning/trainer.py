@@ -62,7 +62,6 @@ from ..checkpoint.formats import Checkpoint
 from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
 from ..engine.sharded import ReadRules, ShardedParameterReadError
-from ..layout import DEFAULT_BUCKET_SIZE
 from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import StepHooks, layerwise_precision
@@ -92,7 +91,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     bucket behind the next forward.
 
     Args:
-        bucket_size: elements per communication bucket (all shards together).
+        bucket_size: elements per communication bucket (all shards together); ``"auto"`` (default): 40 M, and
+            4 Mi (``2**22``) with ``shard_parameters=True``, where a bucket is also what a forward gathers.
         overlap_grad_reduce: start a bucket's reduce-scatter during backward as soon
             as its gradients are complete.
         overlap_param_gather: all-gather parameters asynchronously after
@@ -112,7 +112,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             parameter, and fills other ranks' shards with NaN until they arrive (a
             debugging mode that finds reads costing overlap); ``"off"`` lets such reads
             see stale values (for measurements).
-        prefetch_depth: buckets whose all-gather may be in flight at once.
+        prefetch_depth: buckets whose all-gather may be in flight at once; ``"auto"`` (default): 2, and 1 with
+            ``shard_parameters=True``, where each prefetched bucket is held full.
         separate_all_gather_group: run all-gathers on their own process group so they
             can overlap reduce-scatters.
         grad_reduce_dtype: dtype of the gradient buffers and reduce-scatter
@@ -189,11 +190,11 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     @refuse_unknown_keywords  # a misspelt keyword names the closest argument; the signature stays this one
     def __init__(
         self,
-        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        bucket_size: Union[int, Literal["auto"]] = "auto",
         overlap_grad_reduce: bool = True,
         overlap_param_gather: Union[bool, Literal["auto"]] = "auto",
         param_read_guard: Literal["wait", "strict", "off"] = "wait",
-        prefetch_depth: int = 2,
+        prefetch_depth: Union[int, Literal["auto"]] = "auto",
         separate_all_gather_group: bool = True,
         grad_reduce_dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None,
         broadcast_buffers: bool = True,

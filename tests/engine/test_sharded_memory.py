@@ -30,7 +30,7 @@ from _dist import run_distributed
 from benchmarks.bench_backward_memory import _peak_during  # the CPU allocator's record, as measured there
 from _init_styles import NanoGPT
 from lightning_layerwise.engine import sharded
-from lightning_layerwise.engine.buffers import is_allocated
+from lightning_layerwise.engine.buffers import Bucket, is_allocated
 from lightning_layerwise.engine.init_record import record_init, recordings_of
 from lightning_layerwise.engine.init_replay import plan_replay
 from lightning_layerwise.engine.sharded_init import ParameterPublisher
@@ -347,3 +347,93 @@ def test_a_released_module_is_gathered_one_bucket_at_a_time(mutation):
         assert equal, f"rank {rank}: the released parameters are not the trained ones"
         within = peak <= P + 2 * bucket + 1024
         assert within if mutation is None else not within, (rank, peak, P, bucket)
+
+
+# --- at default settings: bytes held at every module's pre-hook and after the step ---------------------------------
+
+class WideStack(nn.Module):
+    """24 layers of 1024 x 1024 (25 M parameters): six buckets at the default sharded bucket size."""
+
+    def __init__(self, layers: int = 24, width: int = 1024):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x).tanh()
+        return x
+
+
+def _default_bytes_worker(rank, world, mutation):
+    if mutation == "never-free":
+        sharded.ShardedParameterSync._free_outside = lambda self, keep, first, last: None
+    if mutation == "keep-gradient-shards":
+        Bucket.drop_grad_shard = lambda self: None
+    options = {"bucket_size": llw.layout.DEFAULT_BUCKET_SIZE} if mutation == "unsharded-bucket-size" else {}
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, **options))  # defaults otherwise
+    model = WideStack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = session.wrap(model, optimizer)
+    order = wrapped.param_sync.gather_order
+    depth = wrapped.prefetch_depth
+    index = {id(b): i for i, b in enumerate(order)}
+    bucket_of = {id(p): b for b in order for p in b.params}
+    nbytes = [b.param_data.numel() * b.param_data.element_size() for b in order]
+    holders = [(m, sorted({index[id(bucket_of[id(p)])] for p in m.parameters(recurse=False)}))
+               for m in model.modules() if any(id(p) in bucket_of for p in m.parameters(recurse=False))]
+    seen = []
+    for position, (module, own) in enumerate(holders):
+        # The running module's buckets and the prefetched ones after them.
+        window = set(own) | set(range(own[-1] + 1, min(own[-1] + 1 + depth, len(order))))
+
+        def check(_module, _args, position=position, window=window):
+            full = [i for i, b in enumerate(order) if is_allocated(b.param_data)]
+            outside = [i for i in full if i not in window]
+            seen.append((position, sum(nbytes[i] for i in full), sum(nbytes[i] for i in window), outside))
+        module.register_forward_pre_hook(check)  # after the wrapper's own pre-hook
+    shards_held = []  # gradient shards allocated when the middle layer's gradient arrives (Note [sharded gradients])
+    model.layers[12].weight.register_post_accumulate_grad_hook(lambda p: shards_held.append(
+        sum(is_allocated(b.grad_shard) for b in order)))
+    g = torch.Generator().manual_seed(rank)
+    after_step = []
+    for _ in range(2):
+        x = torch.randn(4, 1024, generator=g)
+        optimizer.zero_grad()
+        session.backward(wrapped(x).square().mean())
+        session.step(optimizer)
+        after_step.append((sum(nbytes[i] for i, b in enumerate(order) if is_allocated(b.param_data)),
+                           held_bytes(model, wrapped, optimizer), optimizer_bytes(optimizer)))
+    P = sum(p.numel() for p in model.parameters()) * 4
+    largest = max(p.numel() for p in model.parameters()) * 4
+    return seen, after_step, P, largest, len(order), depth, shards_held
+
+
+@pytest.mark.parametrize("mutation", [None, "never-free", "unsharded-bucket-size", "keep-gradient-shards"])
+def test_default_settings_hold_the_running_module_and_the_prefetch(mutation):
+    """``shard_parameters=True`` and nothing else: at every module's forward pre-hook the bytes of full buckets are
+    those of the running module's buckets and the prefetched one, each of about ``SHARDED_BUCKET_SIZE`` elements
+    (one parameter more at most), and after the step a rank holds its shards and its optimizer state only. Half way
+    through a backward after ``zero_grad`` only the gradient shards of the buckets reduced so far exist. A wrapper
+    that never frees, the unsharded default bucket size (one bucket holding the model), or gradient shards kept
+    across ``zero_grad`` fail."""
+    over = []
+    for rank, (seen, after_step, P, largest, n_buckets, depth, shards_held) in enumerate(
+            run_distributed(_default_bytes_worker, WORLD, mutation)):
+        assert depth == 1 and len(seen) == 2 * 24
+        if shards_held[-1] > n_buckets // 2 + 1:  # the second backward: dropped at its start, half reduced so far
+            over.append((rank, "mid-backward", f"{shards_held[-1]} of {n_buckets} gradient shards held"))
+        bound = (depth + 1) * (llw.layout.SHARDED_BUCKET_SIZE * 4 + largest)
+        for position, full, window, outside in seen:
+            if outside or full > window:
+                over.append((rank, position, "outside the window", outside))
+            if full > bound:
+                over.append((rank, position, f"{full} B full, more than {bound} B of the model's {P} B"))
+        for full, held, state in after_step:
+            if full or held > 1.05 * 2 * P / WORLD + state:
+                over.append((rank, "after the step", full, held))
+    if mutation is None:
+        assert n_buckets >= 6, "the default sharded bucket size splits this model"
+        assert not over, over[:4]
+    else:
+        assert over, f"{mutation}: stayed within the bound: the test cannot fail"

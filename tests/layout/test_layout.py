@@ -495,3 +495,42 @@ def test_owner_group_choice_weighs_experts_as_the_wrapper_plans_them():
     assert {b.kind for b in layout.buffers} == {"dense", "expert"}
     owners = {p.owner for name, slot in layout.params.items() if name.startswith("e") for p in slot.pieces}
     assert owners == {0, 1}, "experts are planned over the 2 expert data-parallel ranks"
+
+
+# --- flat buckets follow the layers (Note [flat layers] in layout/flat.py) ---------------------------------------
+
+def _gpt_specs(layers: int, width: int, vocab: int = 96) -> list[ParamSpec]:
+    """The example GPT's trainable parameters, every one element-wise (AdamW), in registration order."""
+    specs = [ParamSpec("transformer.wte.weight", (vocab, width), torch.float32, elementwise=True),
+             ParamSpec("transformer.wpe.weight", (64, width), torch.float32, elementwise=True)]
+    for i in range(layers):
+        for name, shape in (("ln_1.weight", (width,)), ("attn.c_attn.weight", (3 * width, width)),
+                            ("attn.c_attn.bias", (3 * width,)), ("attn.c_proj.weight", (width, width)),
+                            ("ln_2.weight", (width,)), ("mlp.c_fc.weight", (4 * width, width)),
+                            ("mlp.c_proj.weight", (width, 4 * width))):
+            specs.append(ParamSpec(f"transformer.h.{i}.{name}", shape, torch.float32, elementwise=True))
+    specs.append(ParamSpec("transformer.ln_f.weight", (width,), torch.float32, elementwise=True))
+    return specs
+
+
+@pytest.mark.parametrize("dp", [2, 3, 4])
+def test_flat_buckets_at_the_sharded_bucket_size_hold_one_layer_each(dp):
+    """Blocks of 3.1 M elements under the sharded bucket size of 4 Mi: each block is one bucket of its own (a
+    bucket that ran on into the next block would keep two blocks full while either runs)."""
+    from lightning_layerwise.layout import SHARDED_BUCKET_SIZE
+    from lightning_layerwise.layout.flat import layer_of
+
+    specs = _gpt_specs(layers=10, width=512)
+    layout = plan_layout(specs, group_size=dp, bucket_size=SHARDED_BUCKET_SIZE)
+    layers_of = [{layer_of(n) for n in b.params if ".h." in n} for buf in layout.buffers for b in buf.buckets]
+    assert sum(1 for layers in layers_of if layers) == 10, layers_of
+    assert all(len(layers) <= 1 for layers in layers_of), layers_of
+    assert layout.padding_fraction < 0.01
+
+
+def test_layer_of_names_the_numbered_block():
+    from lightning_layerwise.layout.flat import layer_of
+
+    assert layer_of("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
+    assert layer_of("0.2.weight") == "0"
+    assert layer_of("transformer.wte.weight") == "transformer.wte.weight"

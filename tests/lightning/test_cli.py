@@ -130,8 +130,8 @@ def test_a_cli_value_the_strategy_rejects_ends_in_a_traceback(cli_errors):
     assert code == 1, output[-2000:]
     assert "Traceback (most recent call last)" in output  # LightningCLI instantiates the strategy: no usage line
     assert "ValueError: Does not validate against any of the Union subtypes" in output
-    assert "  - LayerwiseStrategy(bucket_size=-4): pass a positive number of elements, e.g. bucket_size=40000000.\n" \
-        in output
+    assert ("  - LayerwiseStrategy(bucket_size=-4): pass a positive number of elements, e.g. bucket_size=40000000, "
+            "or 'auto' (40000000, and 4194304 with shard_parameters=True).\n") in output
 
 
 def test_a_cli_value_outside_a_literal_choice_is_a_usage_error(cli_errors):

@@ -112,7 +112,7 @@ def test_a_misspelt_argument_names_the_closest_one_and_the_valid_ones():
     import inspect
 
     params = inspect.signature(llw.LayerwiseStrategy).parameters
-    assert params["bucket_size"].annotation == "int" and "kwargs" not in params
+    assert params["bucket_size"].annotation == "Union[int, Literal['auto']]" and "kwargs" not in params
     assert llw.LayerwiseStrategy(4096, prefetch_depth=3).config.bucket_size == 4096
 
 
@@ -121,9 +121,11 @@ def test_a_misspelt_argument_names_the_closest_one_and_the_valid_ones():
     ({"start_method": "thread"},
      r"^LayerwiseStrategy\(start_method='thread'\): use 'popen', 'spawn', 'fork' or 'forkserver'\.$"),
     ({"bucket_size": 2.5e7}, r"^LayerwiseStrategy\(bucket_size=25000000\.0\): pass a positive number of elements, "
-                             r"e\.g\. bucket_size=40000000\.$"),
+                             r"e\.g\. bucket_size=40000000, or 'auto' \(40000000, and 4194304 with "
+                             r"shard_parameters=True\)\.$"),
     ({"bucket_size": True}, r"^LayerwiseStrategy\(bucket_size=True\): pass a positive number"),
-    ({"prefetch_depth": 1.5}, r"^LayerwiseStrategy\(prefetch_depth=1\.5\): pass an integer >= 1\.$"),
+    ({"prefetch_depth": 1.5}, r"^LayerwiseStrategy\(prefetch_depth=1\.5\): pass an integer >= 1, or 'auto' \(2, and "
+                              r"1 with shard_parameters=True\)\.$"),
     ({"grad_reduce_dtype": torch.float32},
      r"^LayerwiseStrategy\(grad_reduce_dtype=torch\.float32\): use one of \['bfloat16', 'float16', 'float32'\] "
      r"or None \(the parameter dtype\)\.$"),
