@@ -305,6 +305,7 @@ class LayerwiseDataParallel(nn.Module):
         r = self.ranks
         if layout is None:
             return plan_layout(specs, r.owner_size, bucket_size, cost, expert_dp=r.expert_owner_size,
+                               follow_layers=self._init_args["shard_parameters"],
                                replicas=r.replicas, expert_replicas=r.expert_replicas)
         _check_layout(layout, specs, r.owner_size, bucket_size, r.expert_owner_size, r.replicas, r.expert_replicas)
         return layout

@@ -8,8 +8,10 @@ Note [flat layers]
     shards would pad more than 1/32 of it (tiny layers at many ranks). With sharded parameters a bucket is what a forward
     gathers, so a bucket that ended mid-layer would keep two layers full while either runs; with
     ``bucket_size="auto"`` (``SHARDED_BUCKET_SIZE``) and layers smaller than it, each bucket is then
-    one layer, as FSDP2's per-block groups are. Without sharding it only moves a boundary of the
-    gradient's reduce-scatters to where a layer's gradients are complete.
+    one layer, as FSDP2's per-block groups are. The planner does this only when asked
+    (``plan_layout(follow_layers=True)``, which the wrapper and the session ask for with sharded
+    parameters): without sharding a bucket is never gathered for a forward, and layouts stay as
+    they were.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ than :data:`ALIGNMENT`, so that the rounding, sent across the groups as padding,
 
 def plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, first_index: int,
               located: dict[str, tuple[int, int]], pieces: dict[str, tuple[Piece, ...]], rank_cost: list[float],
-              costs: Mapping[str, float], replicas: int = 1) -> list[BucketPlan]:
+              costs: Mapping[str, float], replicas: int = 1, follow_layers: bool = False) -> list[BucketPlan]:
     """Element-wise parameters packed back to back, in backward order, into buckets split into
     ``dp`` equal shards; a parameter crossing a shard boundary is stepped in pieces. With ``replicas`` owner
     groups sharing the stepping, a shard is rounded up to a multiple of ``replicas * 16`` elements too, so that it
@@ -66,7 +68,7 @@ def plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, fir
         members.clear()
 
     for spec in queue:
-        if members and layer_ends(spec):
+        if follow_layers and members and layer_ends(spec):
             close()
             cursor = bucket_start
         located[spec.name] = (first_index + len(buckets), cursor)

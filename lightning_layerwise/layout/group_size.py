@@ -73,13 +73,13 @@ PADDING_TOLERANCE = 0.01
 def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
                             cost: Callable[[ParamSpec], float] = newton_schulz_cost, ranks_per_node: int | None = None,
                             grad_bytes: int | None = None, state_bytes: int = DEFAULT_STATE_BYTES,
-                            expert_dp: int | None = None) -> tuple[int, Layout]:
+                            expert_dp: int | None = None, follow_layers: bool = False) -> tuple[int, Layout]:
     """The owner group size ``g`` (a divisor of ``dp``) and its layout, shared among the ``dp / g`` groups
     (Note [choosing the owner group size])."""
     specs = list(specs)
     _validate(specs, dp, bucket_size, what="dp")
     ge = choose_expert_group_size(specs, expert_dp, bucket_size, cost) if expert_dp is not None else None
-    shared = {"expert_dp": ge, "expert_replicas": expert_dp // ge if ge else 1}
+    shared = {"expert_dp": ge, "expert_replicas": expert_dp // ge if ge else 1, "follow_layers": follow_layers}
     per_node = ranks_per_node or DEFAULT_RANKS_PER_NODE
     if dp <= per_node:
         return dp, plan_layout(specs, dp, bucket_size, cost, **shared)

@@ -100,7 +100,8 @@ Note [element-wise fill]
        its :class:`Piece` on each rank is the part inside that rank's shard, and
        that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
 
-    A flat bucket also closes where a layer ends (Note [flat layers] in ``layout/flat.py``) once it holds half of ``bucket_size``.
+    With ``follow_layers`` (sharded parameters) a flat bucket also closes where a layer ends once it holds half
+    of ``bucket_size`` (Note [flat layers] in ``layout/flat.py``).
 
     The planner also packs the buffer with the element-wise parameters owned whole
     (as peers and fill of the rounds, as before) and keeps that layout when its
@@ -193,6 +194,7 @@ def plan_layout(
     replicas: int = 1,
     expert_replicas: int = 1,
     *,
+    follow_layers: bool = False,
     dp: int | None = None,
 ) -> Layout:
     """Plans buffers, buckets, shards and owners for ``specs`` given in registration order, for an owner group of
@@ -217,11 +219,12 @@ def plan_layout(
     if group_size is None:
         raise TypeError("plan_layout() needs group_size: the ranks the plan is made for.")
     with _without_cycle_collection():
-        return _plan_layout(list(specs), group_size, bucket_size, cost, expert_dp, replicas, expert_replicas)
+        return _plan_layout(list(specs), group_size, bucket_size, cost, expert_dp, replicas, expert_replicas,
+                            follow_layers)
 
 
 def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callable[[ParamSpec], float],
-                 expert_dp: int | None, replicas: int, expert_replicas: int) -> Layout:
+                 expert_dp: int | None, replicas: int, expert_replicas: int, follow_layers: bool = False) -> Layout:
     _validate(specs, dp, bucket_size)
     if expert_dp is not None and (isinstance(expert_dp, bool) or not isinstance(expert_dp, int) or expert_dp < 1):
         raise ValueError(f"expert_dp={expert_dp!r} is not a valid expert data-parallel size; pass an integer >= 1.")
@@ -241,7 +244,7 @@ def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callab
         queue = list(reversed(members))  # backward order
         rank_cost = rank_costs.get(ranks, [0.0] * ranks)
         buckets, located, pieces, rank_costs[ranks] = _plan_buffer_with_fill(
-            queue, ranks, bucket_size, costs, rank_cost, expert_replicas if expert_family else replicas)
+            queue, ranks, bucket_size, costs, rank_cost, expert_replicas if expert_family else replicas, follow_layers)
         by_name = {s.name: s for s in members}
         for name, (bucket_index, offset) in located.items():
             slots[name] = ParamSlot(name, by_name[name].shape, buffer_index, bucket_index, offset, pieces[name])
@@ -255,7 +258,7 @@ def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callab
 
 
 def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
-                           rank_cost: list[float], replicas: int = 1):
+                           rank_cost: list[float], replicas: int = 1, follow_layers: bool = False):
     """One buffer (``queue`` in backward order): whole parameters packed, element-wise ones poured
     into the gaps and the rest in flat buckets (Note [element-wise fill]). Returns the buckets, per
     name ``(bucket, offset)`` and pieces, and the rank costs after this buffer. ``replicas``: the owner
@@ -276,7 +279,7 @@ def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, co
             buckets, rest = _pour(buckets, elementwise, queue, located, pieces, cost, costs)
             start = buckets[-1].end if buckets else 0
             buckets = buckets + plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs,
-                                           replicas)
+                                          replicas, follow_layers)
         return buckets, located, pieces, cost
 
     elementwise = [s for s in queue if s.elementwise]

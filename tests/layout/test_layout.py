@@ -515,13 +515,16 @@ def _gpt_specs(layers: int, width: int, vocab: int = 96) -> list[ParamSpec]:
 
 @pytest.mark.parametrize("dp", [2, 3, 4])
 def test_flat_buckets_at_the_sharded_bucket_size_hold_one_layer_each(dp):
-    """Blocks of 3.1 M elements under the sharded bucket size of 4 Mi: each block is one bucket of its own (a
-    bucket that ran on into the next block would keep two blocks full while either runs)."""
+    """Blocks of 3.1 M elements under the sharded bucket size of 4 Mi, planned for sharded parameters
+    (``follow_layers``): each block is one bucket of its own (a bucket that ran on into the next block would keep
+    two blocks full while either runs). Without it the flat buckets cross blocks, as they always did."""
     from lightning_layerwise.layout import SHARDED_BUCKET_SIZE
     from lightning_layerwise.layout.flat import layer_of
 
     specs = _gpt_specs(layers=10, width=512)
-    layout = plan_layout(specs, group_size=dp, bucket_size=SHARDED_BUCKET_SIZE)
+    layout = plan_layout(specs, group_size=dp, bucket_size=SHARDED_BUCKET_SIZE, follow_layers=True)
+    plain = plan_layout(specs, group_size=dp, bucket_size=SHARDED_BUCKET_SIZE)  # unsharded: as before
+    assert any(len({layer_of(n) for n in b.params if ".h." in n}) > 1 for buf in plain.buffers for b in buf.buckets)
     layers_of = [{layer_of(n) for n in b.params if ".h." in n} for buf in layout.buffers for b in buf.buckets]
     assert sum(1 for layers in layers_of if layers) == 10, layers_of
     assert all(len(layers) <= 1 for layers in layers_of), layers_of
