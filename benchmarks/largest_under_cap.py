@@ -6,7 +6,7 @@ Each configuration of ``benchmarks/bench_strategies.py`` (default: ``ddp`` + Ada
 AdamW, ``layerwise`` with ``shard_parameters=True`` + AdamW, FSDP2 with ``reshard_after_forward`` +
 AdamW) trains the example GPT of the ``120m`` row (``n_embd=512``, 8 heads, batch 2 x 64 per rank,
 fp32, one thread per rank) with ``N`` layers of 3.15 M parameters each, for ``--warmup`` + ``--steps``
-steps, the end of the run included (a sharded module is gathered whole when ``fit`` returns, Note
+steps, the end of the run included (a sharded module stays sharded when ``fit`` returns, Note
 [sharded release] in ``lightning_layerwise/engine/sharded.py``). A run *fits* when the largest peak
 RSS of its ranks is at most the cap.
 

@@ -22,7 +22,7 @@ from .experts import mark_experts
 from .layout import Layout, ParamSpec, describe_layout, plan_layout
 from .engine.qk_clip import QKClip
 from .optim import Muon, mark_attention, mark_matrices, muon_param_groups, record_attention_logits
-from .session import LayerwiseSession, SessionEnv
+from .session import LayerwiseSession, SessionEnv, release
 
 _LIGHTNING_NAMES = ("LayerwiseStrategy", "LayerwiseFabricStrategy")
 
@@ -75,4 +75,5 @@ __all__ = [
     "muon_param_groups",
     "plan_layout",
     "record_attention_logits",
+    "release",
 ]

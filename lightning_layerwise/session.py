@@ -92,7 +92,7 @@ from torch.optim import Optimizer
 from .engine.clip import clip_grad_norm_, clip_grad_value_
 from .config import DTYPES, LayerwiseConfig
 from .engine.grad_utils import gradient_utilities
-from .engine.data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients
+from .engine.data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients, wrappers_of
 from .experts import check_expert_marks, expert_key_map, expert_parameter_names
 from .checkpoint.checkpoints import SessionCheckpoints
 from .checkpoint.formats import Checkpoint
@@ -263,6 +263,7 @@ class LayerwiseSession:
             for group in optimizer.param_groups:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
         self.wrapper.on_new_trainable = self._replan
+        self.wrapper.ended_by = self.release  # llw.release(module) ends the run: groups, board and all
         if self.wrapper.shard_parameters:  # collective, as the wrapping: every rank opens the same run's board
             self._board = FailureBoard.open()
             self._agreement = ReadAgreement.create(self._board, self.env.timeout)
@@ -659,8 +660,11 @@ class LayerwiseSession:
         return rest
 
     # --- the end -----------------------------------------------------------------------------------------------------
-    def release(self) -> Optional[torch.nn.Module]:
+    def release(self, whole: bool = True) -> Optional[torch.nn.Module]:
         """Unwraps the module and destroys this run's groups; returns the module (``None`` if not wrapped).
+
+        ``whole=False`` (interpreter exit): with sharded parameters nothing is gathered; a parameter this rank
+        does not hold becomes a meta tensor (Note [sharded release] in ``engine/sharded.py``).
 
         Also called from inside an exception handler after a failed run. If a collective failed (a dead
         rank), waiting for the pending ones raises the same error again and hides the original traceback:
@@ -677,7 +681,7 @@ class LayerwiseSession:
             if failing and self._board is not None:
                 self.failure = self._board.unseen()  # for the adapter to raise in place of a closed connection
             try:
-                module = wrapper.release(wait=not (failing and wrapper.shard_parameters))
+                module = wrapper.release(wait=not (failing and wrapper.shard_parameters), whole=whole)
             except Exception:
                 if not failing:
                     raise
@@ -700,6 +704,19 @@ class LayerwiseSession:
             self.groups = None
         self._board = self._agreement = None
         return module
+
+
+def release(module: torch.nn.Module) -> torch.nn.Module:
+    """Ends the runs training ``module`` (collective: every rank calls it): every parameter whole again, in its
+    own storage, every hook removed, the runs' groups destroyed; returns ``module``.
+
+    With ``shard_parameters=True`` the module stays sharded after ``trainer.fit`` (Note [sharded release] in
+    ``engine/sharded.py``); this gives it back as ``ddp`` leaves it, for a script that then reads or saves it on
+    one rank. ``module``: the model, a LightningModule, Fabric's module or the wrapper; a module no run trains
+    passes through unchanged."""
+    for wrapper in wrappers_of(module):
+        (wrapper.ended_by or wrapper.release)()
+    return module
 
 
 def is_compiled(module) -> bool:

@@ -26,8 +26,9 @@ Note [failing together]
     board every :data:`POLL_SECONDS`, and raises an error posted since it last looked, as
     :class:`ShardedParameterReadError`. The poster waits up to :data:`ACK_SECONDS` for every rank to
     have seen it before it raises, so that the store (rank 0's process) outlives the reading. A rank
-    that raises counts as having seen every error posted until then: ranks that all raise at the same
-    read and catch it go on. Nothing of this runs while collectives complete within
+    that raises counts as having seen every error posted until then, and until its next collective
+    completes it raises no other rank's: ranks that all raise at the same read and catch it go on,
+    whichever posts first. Nothing of this runs while collectives complete within
     :data:`WATCH_SECONDS`. GPU waits are not watched (a timed wait on NCCL blocks the CPU thread);
     there the other ranks stop at the collective timeout.
 """
@@ -92,6 +93,8 @@ class FailureBoard:
         self.store, self.rank, self.world = store, rank, world
         self.seen = 0
         """Errors posted that this rank raised or has seen."""
+        self.raised = False
+        """Whether this rank posted an error since its last collective completed (it raised, and went on)."""
         self._stable: tuple[int, float] | None = None  # (changes, since when) while every rank looks blocked
 
     @classmethod
@@ -110,6 +113,7 @@ class FailureBoard:
     # --- errors ---------------------------------------------------------------------------------------------------
     def post(self, message: str) -> None:
         """Posts this rank's error and waits, up to :data:`ACK_SECONDS`, until every rank has seen it."""
+        self.raised = True
         try:
             index = self.store.add("errors", 1)
             self.store.set(f"error/{index}", f"{self.rank}\n{message}")
@@ -143,13 +147,16 @@ class FailureBoard:
     def wait(self, work, agreeing: bool = False) -> None:
         """Waits for ``work``, raising an error another rank posted meanwhile; in a read's agreement
         (``agreeing``), also :class:`ReadNotShared` when it cannot complete (Note [collective reads])."""
-        if wait_for(work, WATCH_SECONDS):
-            return
+        if not wait_for(work, WATCH_SECONDS):
+            self._wait_blocked(work, agreeing)
+        self.raised = False
+
+    def _wait_blocked(self, work, agreeing: bool) -> None:
         start = time.monotonic() - WATCH_SECONDS
         with self._blocked(agreeing):
             while not wait_for(work, POLL_SECONDS):
                 message = self.unseen()
-                if message is not None:
+                if message is not None and not self.raised:  # else the same failure, which this rank went past
                     raise ShardedParameterReadError(message)
                 waited = time.monotonic() - start
                 if agreeing and (waited >= AGREEMENT_SECONDS or self._deadlocked()):
@@ -214,6 +221,8 @@ class ReadAgreement:
             raise ReadNotShared(rows=pairs)
 
     def destroy(self) -> None:
-        """Ends the group (local; an agreement left waiting after a failure is abandoned)."""
-        dist.destroy_process_group(self.group)
+        """Ends the group (local; an agreement left waiting after a failure is abandoned; gone already if the
+        default group was destroyed first)."""
+        if dist.is_initialized():
+            dist.destroy_process_group(self.group)
 

@@ -217,6 +217,8 @@ class LayerwiseDataParallel(nn.Module):
         _check_arguments(bucket_size, prefetch_depth, param_read_guard)
         self._init_args = init_args  # rebuild() wraps the same module again with a new layout
         self.on_new_trainable: Callable[[list[str]], None] | None = None
+        # what ends this wrapper's run (its session's release, which also destroys the groups): llw.release calls it
+        self.ended_by: Callable[[], object] | None = None
         """Called with their names when parameters outside the layout became trainable (Note [re-planning] in
         ``session.py``); ``None``: that raises."""
         self.module, self.param_read_guard, self.broadcast_buffers = module, param_read_guard, broadcast_buffers
@@ -286,7 +288,7 @@ class LayerwiseDataParallel(nn.Module):
             self.param_sync = ShardedParameterSync(
                 gather_order, self._param_names, self._waiter, stepped_whole=self.grad_sync.stepped_whole,
                 prefetch_depth=prefetch_depth, reshard_after_forward=reshard_after_forward,
-                read_guard=param_read_guard, on_backward=self._backward_started, write_back=self._write_back_pieces)
+                read_guard=param_read_guard, on_backward=_weakly(self._backward_started), write_back=_weakly(self._write_back_pieces))
         else:
             self.param_sync = ParameterSync(
                 gather_order, self._param_names, self._waiter,
@@ -345,8 +347,8 @@ class LayerwiseDataParallel(nn.Module):
             self._buckets, self._flat_buffers, self._param_names, grad_views, owned, split, pieces, self._waiter,
             groups=self.process_groups, layout_group=self.layout_group, experts=self.expert_names,
             expert_parallel_size=self.expert_parallel_size, overlap_grad_reduce=overlap_grad_reduce,
-            before_reduce=self.finish_param_sync, sharded=self.shard_parameters, stepped_slots=stepped_slots,
-            on_backward=self._backward_started, grads_done=self._grads_done,
+            before_reduce=_weakly(self.finish_param_sync), sharded=self.shard_parameters, stepped_slots=stepped_slots,
+            on_backward=_weakly(self._backward_started), grads_done=_weakly(self._grads_done),
             reduces_in_flight=self.prefetch_depth)
 
     def _materialize_device(self, device: torch.device | None) -> torch.device:
@@ -991,16 +993,18 @@ class LayerwiseDataParallel(nn.Module):
             with torch.no_grad():
                 collectives.broadcast_coalesced(buffers, self.process_groups.dp)
 
-    def release(self, wait: bool = True) -> nn.Module:
+    def release(self, wait: bool = True, whole: bool = True) -> nn.Module:
         """Waits for pending all-gathers, removes every hook and gives parameters their own storage.
 
         Afterwards the module is an ordinary one again (as after unwrapping
         ``DistributedDataParallel``) and the flat buffers are freed. ``wait=False``
         abandons pending collectives instead of waiting for them: only after a
         collective failed (a dead rank), when waiting would raise the same error again.
+        ``whole=False`` (sharded parameters, at interpreter exit): nothing is gathered, and a
+        parameter this rank does not hold becomes a meta tensor of its shape (Note [sharded release]).
         """
         own: set[nn.Parameter] = set()
-        if self.shard_parameters and wait:
+        if self.shard_parameters and wait and whole:
             own = self._unshard_for_release()
         self.param_sync.release(wait)
         for h in self._hook_handles:
@@ -1014,15 +1018,35 @@ class LayerwiseDataParallel(nn.Module):
                     if p in own:
                         continue
                     read_guard.detach(p)
-                    # after a failed collective a freed parameter has nothing to keep: NaN, never freed memory
-                    p.data = p.data.clone() if self._readable(p) else torch.full(p.shape, math.nan, dtype=p.dtype,
-                                                                                  device=p.device)
+                    kept = self._readable(p) and (whole or not self.shard_parameters)
+                    p.data = p.data.clone() if kept else _unheld(p, failed=not wait)
             self._flat_buffers, self._buckets = [], []
             for t in self._registered:
                 if wrapper_of(t) is self:
                     del _LIVE[id(t)]
             self._registered = []
+            self.ended_by = None
         return self.module
+
+
+def _weakly(method: Callable) -> Callable:
+    """``method`` (bound to the wrapper) for its parts to call back, holding the wrapper weakly: parts that held
+    it strongly would make a cycle, and a released wrapper's buffers (the model's size) would stay until the
+    interpreter's next full collection."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        return ref()(*args, **kwargs)
+
+    return call
+
+
+def _unheld(p: nn.Parameter, failed: bool) -> torch.Tensor:
+    """What a released parameter holds where this rank has no values for it: after a failed collective NaN, never
+    freed memory; at interpreter exit (nothing gathered) a meta tensor, which holds no memory."""
+    if failed:
+        return torch.full(p.shape, math.nan, dtype=p.dtype, device=p.device)
+    return torch.empty(p.shape, dtype=p.dtype, device="meta")
 
 
 def _release_device(device: torch.device, nbytes: int) -> torch.device:
@@ -1056,6 +1080,19 @@ def _check_sharding(layout: Layout, param_read_guard: str, named: dict[str, nn.P
         raise ValueError(f"shard_parameters=True is not supported {problem}.")
 
 
+def wrappers_of(module: nn.Module) -> list[LayerwiseDataParallel]:
+    """The live wrappers training ``module``'s parameters (the model or a part of it, a LightningModule, Fabric's
+    module or the wrapper itself), each once, in parameter order."""
+    if isinstance(module, LayerwiseDataParallel):
+        return [module]
+    wrappers: list[LayerwiseDataParallel] = []
+    for p in module.parameters():
+        w = wrapper_of(p)
+        if w is not None and all(w is not x for x in wrappers):
+            wrappers.append(w)
+    return wrappers
+
+
 @contextlib.contextmanager
 def full_parameters(module: nn.Module):
     """Inside, every parameter of ``module`` is whole on this rank (collective: every rank enters it).
@@ -1067,14 +1104,7 @@ def full_parameters(module: nn.Module):
     it waits for the all-gathers in flight. ``module``: the model (or a part of it), a LightningModule,
     Fabric's module or the wrapper; a module that is not trained by the strategy passes through.
     """
-    if isinstance(module, LayerwiseDataParallel):
-        wrappers = [module]
-    else:
-        wrappers = []
-        for p in module.parameters():
-            w = wrapper_of(p)
-            if w is not None and all(w is not x for x in wrappers):
-                wrappers.append(w)
+    wrappers = wrappers_of(module)
     with contextlib.ExitStack() as stack:
         for w in wrappers:
             stack.enter_context(w.full_parameters())

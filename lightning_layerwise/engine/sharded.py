@@ -76,18 +76,19 @@ Note [sharded reads]
     (shape, dtype, ``requires_grad``) is always readable.
 
 Note [sharded release]
-    When the wrapper is released (the end of ``trainer.fit``, ``session.release()``) the
-    module gets every parameter back whole, in its own storage, as after ``ddp``. The
-    buckets are gathered in forward order, one at a time with the next one's all-gather in
-    flight, and each is copied out and freed before the next: the release holds the
-    model's parameters plus two buckets above what the run held, where gathering every
-    bucket first and copying afterwards would hold the model twice. A model trained sharded
-    because it does not fit whole on a GPU would still not fit there at the end, with the
-    optimizer state beside it: when the device's free memory is less than the parameters'
-    bytes the copies go to CPU memory instead, with a warning, so the run ends and the
-    module can still be saved, inspected or moved. A run that failed issues no collective
-    when released (the other ranks may have failed elsewhere, or not at all): each
-    parameter keeps what this rank holds of it and NaN for the rest (``LayerwiseSession.release``).
+    A sharded run does not end when ``trainer.fit`` returns: the module stays sharded, as
+    after FSDP, and ``trainer.test``/``validate``/``predict`` and ``trainer.save_checkpoint``
+    run on it. Gathering it whole there would hold the model on every rank beside the
+    optimizer state, above the training's peak. The wrapper is released (the module gets
+    every parameter back whole, in its own storage, as after ``ddp``) by ``llw.release(model)``,
+    ``session.release()``, ``fabric.strategy.teardown()`` or the next ``trainer.fit``. The
+    buckets are then gathered in forward order, each copied out and freed before the next:
+    the model plus two buckets above what the run held. Where the device's free memory is
+    less than the parameters' bytes the copies go to CPU memory, with a warning. At
+    interpreter exit nothing is gathered: the groups are destroyed and a parameter this rank
+    does not hold becomes a meta tensor. A run that failed issues no collective when
+    released (the other ranks may have failed elsewhere, or not at all): each parameter
+    keeps what this rank holds of it and NaN for the rest (``LayerwiseSession.release``).
 """
 
 from __future__ import annotations

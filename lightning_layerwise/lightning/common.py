@@ -9,6 +9,8 @@ little they have in common beyond it.
 from __future__ import annotations
 
 import atexit
+import weakref
+from typing import Callable
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -107,6 +109,21 @@ def start_session(strategy, config: LayerwiseConfig) -> None:
     for name in SETTINGS:
         setattr(strategy, name, getattr(config, name))
     strategy.session = LayerwiseSession(config, name=type(strategy).__name__)
+
+
+def release_at_exit(strategy) -> Callable[[], None]:
+    """Registers the end of ``strategy``'s run at interpreter exit, where the last step's all-gather may still be
+    in flight and live communicators can abort the process: pending collectives are waited for and the groups
+    destroyed, with nothing gathered (Note [sharded release] in ``engine/sharded.py``). Holds the strategy weakly."""
+    ref = weakref.ref(strategy)
+
+    def release() -> None:
+        live = ref()
+        if live is not None and live.session.wrapper is not None:
+            live.session.release(whole=False)
+
+    atexit.register(release)
+    return release
 
 
 _AT_EXIT: list = []

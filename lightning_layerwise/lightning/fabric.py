@@ -19,9 +19,7 @@ session is the Trainer strategy's; what differs is only who calls it:
 
 from __future__ import annotations
 
-import atexit
 import inspect
-import weakref
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, Union
@@ -46,7 +44,8 @@ from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
 from ..engine.sharded import ReadRules
 from ..checkpoint.formats import Checkpoint
-from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
+from .common import (SessionAdapter, check_precision, register_strategy_names, release_at_exit, session_env,
+                     start_session)
 from .precision import sharded_grad_scaler
 from ..session import is_compiled
 
@@ -90,7 +89,8 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
                                                 start_method=start_method))  # self.session: the run
         self.session.read_rules = ReadRules(
             steps="the forward of the model that fabric.setup returned",
-            whole_again="After fabric.strategy.teardown() (run at exit) the module holds every parameter again.")
+            whole_again="llw.release(model) or fabric.strategy.teardown(), on every rank, gives the module every "
+                        "parameter back whole.")
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
                          process_group_backend, timeout, start_method)
         self._backward_sync_control = _LayerwiseBackwardSyncControl()
@@ -193,7 +193,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         self._use_sharded_grad_scaler()
         self.session.sync_after_step = self._needs_sync_after_step(module)
         if self._exit_hook is None:
-            self._exit_hook = _release_at_exit(self)
+            self._exit_hook = release_at_exit(self)
         return wrapper
 
     def _use_sharded_grad_scaler(self) -> None:
@@ -376,9 +376,10 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
     def teardown(self) -> None:
         """Waits for in-flight collectives, unwraps the module and destroys this run's groups.
 
-        Fabric does not call it; it runs at interpreter exit if the script has not called
-        ``fabric.strategy.teardown()``. After it the module holds the trained parameters on every
-        rank, and ``fabric.save`` still writes the last layout's checkpoint."""
+        Fabric does not call it. After ``fabric.strategy.teardown()`` the module holds the trained parameters
+        on every rank (gathered, with ``shard_parameters=True``), and ``fabric.save`` still writes the last
+        layout's checkpoint. At interpreter exit, if the script has not called it, the run ends without
+        gathering anything (Note [sharded release] in ``engine/sharded.py``)."""
         self.session.release()
         super().teardown()
 
@@ -399,17 +400,3 @@ class _LayerwiseBackwardSyncControl(_BackwardSyncControl):
                             f"fabric.setup(model, optimizer); got a {type(module).__name__} that the strategy did "
                             "not set up (a module without trainable parameters has no gradients to hold back).")
         return module.no_sync()
-
-
-def _release_at_exit(strategy: LayerwiseFabricStrategy) -> Callable[[], None]:
-    """Registers the strategy's teardown at interpreter exit: the last step's all-gather is still in flight,
-    and live communicators at exit can abort the process. Holds the strategy weakly."""
-    ref = weakref.ref(strategy)
-
-    def release() -> None:
-        live = ref()
-        if live is not None and live.wrapper is not None:
-            live.session.release()
-
-    atexit.register(release)
-    return release

@@ -15,7 +15,8 @@ one session method:
 * before evaluation, checkpointing and teardown: ``sync_parameters``;
 * checkpoints: ``optimizer_state``, ``save``, ``read``, ``load_optimizer_states``
   (the format is the session's, ``formats.py``);
-* ``teardown``: ``release``.
+* ``teardown``: ``release``; with sharded parameters the run goes on after ``fit`` (``validate``/``test``/
+  ``predict`` and checkpoints use it) until ``llw.release``, the next ``fit`` or interpreter exit.
 
 ``DDPStrategy`` is the base on purpose: its launchers, environments and collectives are
 what ``ddp`` users have, and the one method copied from it (``setup``, reordered so the
@@ -62,10 +63,11 @@ from ..checkpoint.formats import Checkpoint
 from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
 from ..engine.sharded import ReadRules, ShardedParameterReadError
-from .common import SessionAdapter, check_precision, register_strategy_names, session_env, start_session
+from .common import (SessionAdapter, check_precision, register_strategy_names, release_at_exit, session_env,
+                     start_session)
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import StepHooks, layerwise_precision
-from ..session import is_compiled
+from ..session import is_compiled, release
 
 
 def _own_reads(method: Callable) -> Callable:
@@ -231,8 +233,11 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         start_session(self, config)  # self.session: wrapping, steps, checkpoints, teardown
         self.session.read_rules = ReadRules(
             steps="the Trainer's steps and Lightning's hooks (where every rank runs the same code)",
-            whole_again="After trainer.fit returns the module holds every parameter again.")
+            whole_again="After trainer.fit the module stays sharded (trainer.test and trainer.save_checkpoint run "
+                        "on it); llw.release(model), on every rank, gives it every parameter back whole.")
         self._profiled: Optional[tuple[Any, Any]] = None  # (trainer, its profiler) while hooks read collectively
+        self._exit_hook: Optional[Callable[[], None]] = None  # ends a run left sharded at interpreter exit
+        self._fitting = False  # the stage being set up or torn down is a fit
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -300,9 +305,12 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         # layout splits the parameters the optimizer updates element-wise (elementwise_fill).
         # Wrapping keeps every parameter object, so the optimizer's references stay valid.
         self.session.env = session_env(self)
+        fitting = self._fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._on_the_sharded_run(fitting):
+            self._setup_on_the_sharded_run(trainer)
+            return
         self.session.module = self.lightning_module  # checkpoints read into it, wrapped or not
         self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -325,9 +333,34 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
             self.session.sync_after_step = self._needs_sync_after_step(trainer)
             _finetuning_sees_parameters(trainer, self.session)
-            if self.session.wrapper.shard_parameters:  # reads in hooks gather (Note [collective reads])
-                self._profiled = (trainer, trainer.profiler)
-                trainer.profiler = _HookReads(trainer.profiler, self.session)
+            if self.session.wrapper.shard_parameters:
+                self._read_in_hooks(trainer)
+
+    def _read_in_hooks(self, trainer) -> None:
+        """Reads of sharded parameters in Lightning's hooks gather (Note [collective reads])."""
+        self._profiled = (trainer, trainer.profiler)
+        trainer.profiler = _HookReads(trainer.profiler, self.session)
+
+    def _on_the_sharded_run(self, fitting: bool) -> bool:
+        """Whether this stage runs on the sharded run the last ``fit`` left (Note [sharded release] in
+        ``engine/sharded.py``): ``validate``/``test``/``predict`` of the same module do. A new ``fit``, or another
+        module, ends that run first (collective: the module gets its parameters back whole), as it ends a run
+        of another Trainer still training this module."""
+        module = self.lightning_module
+        if self.session.wrapper is not None:
+            if not fitting and self.session.module is module and self.session.wrapper.shard_parameters:
+                return True
+            self.session.release()
+        release(module)
+        return False
+
+    def _setup_on_the_sharded_run(self, trainer) -> None:
+        """``setup`` for an evaluation on the sharded run: nothing is moved, converted or broadcast (the module
+        is already on its device, in its precision and equal on every rank); the steps run through the wrapper."""
+        self.accelerator.setup(trainer)
+        self.model = self.session.wrapper
+        self.setup_precision_plugin()
+        self._read_in_hooks(trainer)
 
     def _needs_sync_after_step(self, trainer) -> bool:
         """Whether the all-gather must complete inside the step; see ``overlap_param_gather``."""
@@ -475,8 +508,14 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if self._profiled is not None:
             trainer, profiler = self._profiled
             trainer.profiler, self._profiled = profiler, None
-        if self.session.release() is not None:
-            self.model = self.lightning_module
+        wrapper = self.session.wrapper
+        # a failed validate/test/predict on the run fit left keeps it: the trained values are not lost
+        if wrapper is not None and wrapper.shard_parameters and (sys.exc_info()[0] is None or not self._fitting):
+            self._keep_sharded(wrapper)
+            return
+        if wrapper is not None:
+            self.model = self.lightning_module  # before the release, which frees the wrapper's buffers
+        self.session.release()
         module = self.lightning_module
         # A model refused on the meta device (Note [meta-device models]) stays there: Lightning's move to the CPU
         # would raise over the error that ended the fit.
@@ -489,6 +528,19 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             if refused:
                 self._lightning_module = module
         _raise_posted_failure(self.session)
+
+    def _keep_sharded(self, wrapper) -> None:
+        """The end of a stage that succeeded with sharded parameters: the module stays sharded, its gradients go
+        (Note [sharded release] in ``engine/sharded.py``). As ``FSDPStrategy``'s teardown, nothing is moved to
+        the CPU (a move reads every parameter whole)."""
+        wrapper.grad_sync.zero_grad_buffer()
+        self.model = self.lightning_module
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        if self._exit_hook is None:
+            self._exit_hook = release_at_exit(self)
 
     @classmethod
     @override

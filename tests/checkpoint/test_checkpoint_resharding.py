@@ -105,6 +105,7 @@ def global_losses(model: Net) -> list[float]:
 
 
 def result(model: Net) -> dict:
+    llw.release(model)  # a sharded run goes on after fit: ended here, every parameter whole (a no-op otherwise)
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "calls": int(model.calls), "losses": global_losses(model)}
 

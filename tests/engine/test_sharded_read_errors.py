@@ -54,3 +54,62 @@ def test_a_read_between_steps_on_one_rank_ends_every_rank_with_its_error(world, 
         assert "After session.release() the module holds every parameter again." in message, message
         assert "trainer" not in message.lower() and "fabric" not in message.lower(), message
         assert rank == 0 or "(raised on rank 0;" in message, message
+
+
+class _Work:
+    """A collective's handle that completes when ``done`` is set."""
+
+    def __init__(self, done) -> None:
+        self.done = done
+
+    def wait(self, timeout=None):
+        if not self.done.wait(timeout.total_seconds() if timeout is not None else None):
+            raise RuntimeError("timed out")
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+
+def _board_pair():
+    import torch.distributed as dist
+
+    from lightning_layerwise.engine.collective_reads import FailureBoard
+
+    store = dist.HashStore()
+    return FailureBoard(store, 0, 2), FailureBoard(store, 1, 2)
+
+
+def test_ranks_that_each_raise_and_go_on_do_not_end_on_each_others_error():
+    """Both ranks read outside the rules, each raises and catches it (Note [failing together]); rank 1 posts
+    only after rank 0 has left its post (the order a loaded machine gives). Rank 0, waiting in the next
+    collective, must not raise rank 1's error: it went past the same failure. A rank that did not raise still
+    does (the one-rank case above)."""
+    import threading
+
+    from lightning_layerwise.engine.collective_reads import ShardedParameterReadError
+
+    for rank0_raised in (True, False):
+        board0, board1 = _board_pair()
+        if rank0_raised:
+            board0.store.add("errors", 1)
+            board0.store.set("error/1", "0\nrank 0's read")
+            board0.store.add("seen/1", 2)  # seen by both: rank 0's post returned
+            board0.seen, board0.raised, board1.seen = 1, True, 1
+        done = threading.Event()
+
+        def rank1():
+            board1.post("rank 1's read")  # returns once rank 0 has seen it
+            done.set()  # rank 1 goes on into the collective rank 0 waits in
+
+        thread = threading.Thread(target=rank1)
+        thread.start()
+        try:
+            if rank0_raised:
+                board0.wait(_Work(done))
+                assert not board0.raised, "a completed collective ends what rank 0 went past"
+            else:
+                with pytest.raises(ShardedParameterReadError, match="rank 1's read"):
+                    board0.wait(_Work(done))
+        finally:
+            done.set()
+            thread.join()

@@ -136,6 +136,7 @@ def _hang_worker(rank, world):
     model, probe = AttentionLM(), BucketProbe()
     trainer = trainer_for(world, [probe])
     trainer.fit(model, rank_loader(rank, world))
+    llw.release(model)  # the run goes on after fit: ended here, every parameter whole
     return {n: p.detach().clone() for n, p in model.named_parameters()}, model.norms, probe.most_full, \
         probe.left_full, probe.buckets
 
@@ -251,6 +252,7 @@ def _averaging_fit(rank, world, strategy, root):
                         val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=1,
                         callbacks=[snapshots, ema, saves], strategy=strategy)
     trainer.fit(model, rank_loader(rank, world), rank_loader(rank, world))
+    llw.release(model)  # a no-op after ddp
     named = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
     saved = torch.load(f"{root}/step=2.ckpt", weights_only=True) if rank == 0 else {}
     return {"copy": named(snapshots.copy), "trained": snapshots.trained,
@@ -294,6 +296,7 @@ def _swa_fit(rank, world, strategy):
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
                         callbacks=[snapshots, swa], strategy=strategy)
     trainer.fit(model, rank_loader(rank, world))
+    llw.release(model)
     return snapshots.trained, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -340,5 +343,6 @@ def _fabric_read_worker(rank, world):
 def test_a_read_between_steps_under_fabric_names_fabrics_calls():
     for message in run_distributed(_fabric_read_worker, 2):
         assert "outside the forward of the model that fabric.setup returned" in message, message
-        assert "After fabric.strategy.teardown() (run at exit) the module holds every parameter again." in message
+        assert "llw.release(model) or fabric.strategy.teardown(), on every rank, gives the module every parameter " \
+               "back whole." in message
         assert "trainer" not in message.lower() and "session" not in message.lower(), message

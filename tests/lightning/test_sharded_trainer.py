@@ -9,7 +9,7 @@ tied to the output layer, ``nn.MultiheadAttention`` inside ``nn.TransformerEncod
 before the forward (a penalty). Cases: AdamW at 2 ranks; Muon at 3 with accumulation and clipping by norm;
 AdamW at 4 with non-reentrant activation checkpointing; Muon at 2 under ``bf16-mixed``; AdamW at 2 with
 each block ``torch.compile``d (``aot_eager``: dynamo and AOTAutograd, no C compiler needed); and the
-parameters after ``trainer.fit`` own their storage again. Each eager case runs under the timing fuzzer too.
+parameters after ``trainer.fit`` and ``llw.release`` own their storage again. Each eager case runs under the timing fuzzer too.
 Also: ``bf16-true`` (float32 masters of the shard) against the unsharded run, and a model built in
 ``trainer.init_module(empty_init=True)`` (on the meta device, materialized by the strategy) against ``ddp`` from
 the same start.
@@ -105,6 +105,7 @@ def _fit(strategy, world, model_kwargs, trainer_kwargs):
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=2, val_check_interval=5, num_sanity_val_steps=1, **trainer_kwargs)
     trainer.fit(model, loader(world, accumulate), loader(world, 1))
+    llw.release(model)  # a sharded run goes on after fit; this ends it (a no-op after ddp)
     plain = all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
     return {n: p.detach().clone() for n, p in model.named_parameters()}, (plain, probe.seen)
 
@@ -161,6 +162,7 @@ def _bf16_true_worker(rank, world):
                             enable_progress_bar=False, enable_model_summary=False, precision="bf16-true",
                             strategy=llw.LayerwiseStrategy(shard_parameters=shard, bucket_size=3000))
         trainer.fit(model, loader(world, 1))
+        llw.release(model)
         out.append({n: p.detach().float().clone() for n, p in model.named_parameters()})
     return out
 
@@ -191,6 +193,7 @@ def _meta_worker(rank, world):
         model = TinyLM("muon")
     built_on_meta = all(p.is_meta for p in model.parameters())
     trainer.fit(model, loader(world, 1))
+    llw.release(model)
     sharded = {n: p.detach().clone() for n, p in model.named_parameters()}
     reference = TinyLM("muon")
     loaded = reference.load_state_dict(probe.values, strict=False)  # named_parameters() lists the tied head once
