@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lightning_layerwise.optim.muon import NS_SCHEDULES, newton_schulz_reference, orthogonalize  # noqa: E402
+from lightning_layerwise.optim.muon_options import NS_SCHEDULES  # noqa: E402
+from lightning_layerwise.optim.orthogonalization import newton_schulz_reference, orthogonalize  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

@@ -2,10 +2,12 @@
 
 Flat buffers and buckets (``buffers``), the collectives on them (``collectives``), the
 process groups (``process_groups``), the gradient side (``grad_sync``: accumulation,
-reduce-scatter, what each rank steps), the parameter side (``param_sync``: all-gathers
+reduce-scatter, what each rank steps; its per-parameter records in ``grad_records``, a split
+parameter's ``.grad`` marker in ``split_gradient``), the parameter side (``param_sync``: all-gathers
 overlapped with the forward, and the ``read_guard`` that keeps every read current; with
 sharded parameters ``sharded``: when each bucket is gathered and freed), the
-wrapper that composes them (``data_parallel``), global-norm clipping (``clip``) and the
-scoped patches that make torch's gradient utilities see through the sharding
-(``grad_utils``). Nothing here imports Lightning.
+wrapper that composes them (``data_parallel``), global-norm clipping (``clip``, its reductions
+in ``clip_reductions``) and the scoped patches that make torch's gradient utilities see through
+the sharding (``grad_utils``, which find the wrapper behind a tensor in ``live_wrappers``).
+Nothing here imports Lightning.
 """

@@ -30,7 +30,7 @@ Note [parameter lists]
     each rank filters its list by ``p.grad is not None``, the usual way to pick
     "the parameters that have a gradient": a whole parameter has a ``.grad`` on
     its owner, the rank that counts it, and a split one on every rank stepping a
-    piece (Note [split gradients] in ``engine/grad_sync.py``). Lists that differ in
+    piece (Note [split gradients] in ``engine/split_gradient.py``). Lists that differ in
     any other way have no one-process answer, so the norm's all-reduce carries a
     vote: per dense layout parameter, whether this rank holds its gradient and
     left it out, and whether this rank named it. Summed (or maximized, for the
@@ -67,7 +67,6 @@ import torch
 from . import collectives
 from .buffers import GradState
 from .data_parallel import LayerwiseDataParallel
-from .grad_sync import _same_memory
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
 
@@ -223,7 +222,7 @@ def _owned_grad_tensors(wrapper: LayerwiseDataParallel, parameters=None) -> list
         if not holders:
             continue
         tensors.append(unit.slot)
-        tensors.extend(g for g in holders if not _same_memory(g, unit.slot))
+        tensors.extend(g for g in holders if not unit.is_slot(g))
     return tensors
 
 

@@ -132,7 +132,9 @@ from .buffers import (Bucket, FlatBuffer, ParamState, allocate, allocate_buffers
                       cut_shard, free, is_dense_permutation, meta_buffers, single_device, view_of)
 from .materialize import check_materializable, has_meta_tensors, materialize
 from .sharded_init import ParameterPublisher
-from .grad_sync import _LIVE, GradientSync, GradUnit, _forget, wrapper_of
+from .grad_records import GradUnit
+from .grad_sync import GradientSync
+from .live_wrappers import _LIVE, _forget, wrapper_of
 from .param_sync import ParameterSync
 from .sharded import ShardedParameterSync
 from .waiter import CollectiveError, Waiter  # noqa: F401  CollectiveError: its import path since 0.1
@@ -734,21 +736,21 @@ class LayerwiseDataParallel(nn.Module):
 
     def units_of(self, tensors) -> list[GradUnit]:
         """What this rank steps of ``tensors`` (each unit once, in list order)."""
-        return self.grad_sync.units_of(tensors)
+        return self.grad_sync.parameter_lists.units_of(tensors)
 
     def units_and_votes(self, tensors) -> tuple[list[GradUnit], torch.Tensor]:
         """:meth:`units_of` ``tensors`` and this rank's vote on the list (Note [parameter lists] in
         ``engine/clip.py``)."""
-        return self.grad_sync.units_and_votes(tensors)
+        return self.grad_sync.parameter_lists.units_and_votes(tensors)
 
     def check_list_votes(self, votes: torch.Tensor, what: str) -> None:
         """Raises on every rank alike if the summed votes show lists that disagree
-        (:meth:`GradientSync.check_list_votes`)."""
-        self.grad_sync.check_list_votes(votes, what)
+        (:meth:`ParameterLists.check_votes`)."""
+        self.grad_sync.parameter_lists.check_votes(votes, what)
 
     def resolve_list_votes(self) -> None:
         """Reads a verdict left on an accelerator by :meth:`check_list_votes`, raising as it would have."""
-        self.grad_sync.resolve_list_votes()
+        self.grad_sync.parameter_lists.resolve_votes()
 
     def layout_parameter_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
         """The model parameter ``tensor`` is, or is this rank's piece or master of; ``None`` outside the layout."""

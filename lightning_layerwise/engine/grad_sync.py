@@ -7,32 +7,10 @@ reduce-scatters dispatched in a fixed order as buckets complete (Note [bucket or
 [replica sharing] in ``layout/sharing.py``), the reduced gradient handed to what this rank
 steps (its units: whole parameters, pieces, float32 masters; Note [pieces] in
 ``engine/data_parallel.py``, Note [gradient lifecycle]), and the collective reductions over it
-(finite check, norms). A split parameter's ``.grad`` marks that it has a gradient without
-holding one (Note [split gradients]). It is built from buckets, gradient slots and a process
+(finite check, norms: ``engine/clip_reductions.py``). A split parameter's ``.grad`` marks that
+it has a gradient without holding one (Note [split gradients] in ``engine/split_gradient.py``).
+It is built from buckets, gradient slots and a process
 group alone, and holds all of that state; the wrapper composes it with the parameter side.
-
-Note [split gradients]
-    Under ``ddp`` every parameter that received a gradient has a ``.grad``, and code
-    relies on that: ``[p for p in model.parameters() if p.grad is not None]`` is how
-    many loops pick what to clip. Here a rank holds the reduced gradient only of what
-    it steps. A whole parameter's ``.grad`` exists on its owner, which is enough: the
-    owner decides whether it counts. A split parameter's gradient exists on no rank,
-    only in pieces, so without more it would be ``None`` everywhere and every such
-    filter would drop it (the parameters ended 0.06-0.28 away from ``ddp`` that way).
-    So on each rank that steps a piece of a split parameter that received a gradient,
-    the sync sets the parameter's ``.grad`` to a marker, :class:`~lightning_layerwise.engine.grad_sync.SplitGradient`:
-    a tensor whose metadata reads as the parameter's gradient's would (``is not
-    None``, shape, dtype, device) but which holds one element broadcast to that shape
-    and whose elements cannot be read: any operation on them raises
-    :class:`~lightning_layerwise.engine.grad_sync.SplitGradientError`, naming the parameter
-    and the ways to get what the reader wants (this rank's piece, a global norm,
-    ``elementwise_fill=False``). Returning partial values instead would be silently
-    wrong. ``zero_grad(set_to_none=False)`` passes (there is nothing to zero), and a
-    deep copy of the model carries ``None``. The gradient utilities count the parameter
-    through its piece (Note [parameter lists] in ``engine/clip.py``). A hook run before
-    autograd accumulates into the parameter restarts accumulation when it finds the
-    marker still there (a bare ``backward()`` after ``optimizer.zero_grad()``
-    cleared the pieces but not the marker), so autograd never adds into it.
 
 Note [gradient lifecycle]
     Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
@@ -83,7 +61,7 @@ Note [gradient lifecycle]
     path.
 
     The ``.grad`` given is not a view of the buffer but an alias of the slot's
-    memory (``_GradRecord.grad``), with a version counter of its own: autograd's
+    memory (``GradRecord.grad``), with a version counter of its own: autograd's
     in-place add bumps it. On one process, which reduces nothing, a parameter
     whose gradient is added in place therefore needs no hook at all (a Python
     hook costs about 1.3 µs per parameter in the call from autograd alone): the
@@ -145,188 +123,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from . import collectives
 from .buffers import Bucket, GradState, free
+from .clip_reductions import ParameterLists, all_finite, shard_sum
+from .grad_records import GradRecord, GradUnit
+from .live_wrappers import _SYNCS
+from .split_gradient import SplitGradient, make_split_gradient
 from .waiter import Waiter
-from .read_guard import METADATA_FUNCTIONS, describe
-
-if TYPE_CHECKING:
-    from .data_parallel import LayerwiseDataParallel
-
-
-@dataclass(eq=False)
-class GradUnit:
-    """What this rank steps of one parameter, and where its reduced gradient lives (Note [gradient lifecycle])."""
-
-    param: nn.Parameter
-    """The model's parameter."""
-    tensor: nn.Parameter
-    """What the wrapper hands the gradient to: ``param`` itself (owned whole) or this rank's piece of it."""
-    slot: torch.Tensor
-    """Its elements of the grad buffer (the buffer's dtype): ``main_grad``."""
-    bucket: Bucket
-    record: "_GradRecord"
-    """The parameter's gradient record (what arrived this accumulation)."""
-    split: bool = False
-    """``tensor`` is a piece of a split parameter (Note [pieces] in ``engine/data_parallel.py``)."""
-    master: torch.Tensor | None = None
-    """A float32 master the optimizer steps in place of ``tensor`` (``bf16-true``), set by :meth:`set_master`."""
-
-    @property
-    def stepped(self) -> torch.Tensor:
-        """The tensor the optimizer holds for this unit."""
-        return self.master if self.master is not None else self.tensor
-
-
-class _GradRecord:
-    """One parameter's gradient path and what arrived of it this accumulation, bound to its hook so the hook looks
-    nothing up (Note [in-place gradients]); flags here, not sets of parameters: a tensor hashes in Python."""
-
-    __slots__ = ("param", "view", "grad", "bucket", "inplace", "assigned", "version", "seen", "carried", "handed",
-                 "split_flag", "hook", "split_grad", "split_hook")
-
-    def __init__(self, param: nn.Parameter, view: torch.Tensor, bucket: Bucket) -> None:
-        self.param = param
-        self.view = view
-        """Its slot of the grad buffer, strided as the parameter."""
-        self.grad = _alias(view) if not bucket.sharded else None
-        """The ``.grad`` autograd adds into: ``view``'s memory with a version counter of its own (a view shares its
-        buffer's), so an add into it shows in :attr:`version` without a hook. ``None`` with sharded parameters:
-        the full buffer exists only while a backward fills it (Note [sharded gradients])."""
-        self.bucket = bucket
-        self.inplace = False
-        """Autograd may accumulate into ``grad`` (same dtype; the optimizer steps the parameter itself)."""
-        self.assigned = False
-        """``grad`` was made the parameter's ``.grad`` at the last restart (or since)."""
-        self.version = self.grad._version if self.grad is not None else 0
-        """``grad._version`` when arrivals were last accounted for."""
-        self.seen = False
-        """A gradient arrived this accumulation."""
-        self.carried = False
-        """A reduced gradient was carried into this accumulation (Note [gradient lifecycle])."""
-        self.handed: torch.Tensor | None = None
-        """The ``.grad`` the last sync handed out (a parameter stepped whole)."""
-        self.split_flag: torch.Tensor | None = None
-        """Its element of the on-device flags of split parameters (Note [pieces] in ``engine/data_parallel.py``)."""
-        self.hook = None
-        """Its post-accumulate-grad hook's handle; ``None`` on one process where it adds in place."""
-        self.split_grad: SplitGradient | None = None
-        """A split parameter this rank steps a piece of: the ``.grad`` it is handed (Note [split gradients])."""
-        self.split_hook = None
-        """The handle of the hook that clears :attr:`split_grad` before autograd accumulates into it."""
-
-
-def _alias(view: torch.Tensor) -> torch.Tensor:
-    """A tensor on ``view``'s memory, not a view of anything: its version counter is its own."""
-    alias = torch.empty(0, dtype=view.dtype, device=view.device)
-    return alias.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
-
-
-class SplitGradientError(RuntimeError):
-    """The values of a split parameter's ``.grad`` were read (Note [split gradients])."""
-
-
-class SplitGradient(torch.Tensor):
-    """The ``.grad`` of a split parameter on a rank that steps a piece of it: see Note [split gradients].
-
-    Its metadata reads as a gradient's (shape, dtype, device, ``is not None``); any operation that would read
-    its elements raises :class:`SplitGradientError`. ``zero_`` and ``requires_grad_`` pass (``zero_grad``), and
-    a deep copy of it is ``None`` (a copied model carries no gradient it cannot read)."""
-
-    param_name: str = "a split parameter"
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _SPLIT_GRAD_CLEARS:
-            return args[0]  # it holds no values to clear (one element, broadcast to the shape)
-        if func in _SPLIT_GRAD_PASSES:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        if func is torch.Tensor.__deepcopy__:
-            return None
-        name = next((t.param_name for t in args if isinstance(t, SplitGradient)), cls.param_name)
-        raise SplitGradientError(
-            f"{describe(func)} read the gradient of {name!r}, which strategy='layerwise' splits across ranks "
-            "(element-wise fill): no rank holds all of it, so its .grad only marks that it has a gradient this step "
-            "(as `p.grad is not None` does under ddp). Read this rank's piece as wrapper.shard_of(param).grad, "
-            "take norms with torch.nn.utils.clip_grad_norm_ or lightning's grad_norm (both global under the "
-            "strategy), or keep the parameter whole with elementwise_fill=False.")
-
-
-def _split_grad_passes() -> frozenset:
-    """What a split gradient lets through: every attribute of a tensor but those that hand out its values
-    (``data``, ``real``, ``imag`` and the transposes), and the methods that read no element. torch.compile
-    inspects gradients this way when it (re)compiles."""
-    base = torch._C.TensorBase
-    values = {"data", "real", "imag", "T", "H", "mT", "mH"}
-    getters = {v.__get__ for n, v in base.__dict__.items()
-               if type(v).__name__ == "getset_descriptor" and n not in values}
-    reads = {"is_nonzero", "_is_all_true", "_is_any_true"}  # predicates on the values
-    names = {n for n in dir(base) if (n.startswith("is_") or n.startswith("_is_")) and n not in reads}
-    names |= {"detach_", "data_ptr", "untyped_storage", "storage_offset", "dim", "size", "stride", "numel",
-              "nelement", "element_size", "get_device", "__len__"}
-    methods = {getattr(owner, name) for owner in (base, torch.Tensor) for name in names if hasattr(owner, name)}
-    return METADATA_FUNCTIONS | getters | methods
-
-
-_SPLIT_GRAD_CLEARS = frozenset({torch.Tensor.zero_, torch._C.TensorBase.zero_})
-_SPLIT_GRAD_PASSES = _split_grad_passes()
-
-
-def _split_gradient(param: nn.Parameter, name: str) -> SplitGradient:
-    """A marker of ``param``'s shape, dtype and device, one element broadcast: it holds nothing to read."""
-    one = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
-    marker = torch.Tensor._make_subclass(SplitGradient, one)
-    marker.param_name = name
-    return marker
-
-
-_LIVE: dict[int, "weakref.ref[LayerwiseDataParallel]"] = {}
-"""``id(tensor)`` -> the live wrapper that trains it (its parameters, pieces and masters). Lets torch's
-gradient utilities find the wrapper behind the tensors they are given (``grad_utils.py``)."""
-
-
-def _forget(ref: "weakref.ref[LayerwiseDataParallel]") -> None:
-    """A wrapper was collected without :meth:`~LayerwiseDataParallel.release`: its entries in :data:`_LIVE` go too."""
-    for key in [key for key, value in _LIVE.items() if value is ref]:
-        del _LIVE[key]
-
-
-_SYNCS = itertools.count(1)
-"""Numbers the syncs of this process: the wrapper synced last holds the highest (see ``grad_utils.synced_wrapper``)."""
-
-
-def any_live() -> bool:
-    """Whether some wrapper is alive (one dictionary test: the patched utilities' fast path)."""
-    return bool(_LIVE)
-
-
-def live_wrappers() -> list["LayerwiseDataParallel"]:
-    """Every wrapper with an entry in :data:`_LIVE` that is still alive."""
-    refs = {id(ref): ref for ref in list(_LIVE.values())}  # by identity: a dead weak reference cannot be hashed
-    return [w for w in (ref() for ref in refs.values()) if w is not None]
-
-
-def wrapper_of(tensor) -> "LayerwiseDataParallel | None":
-    """The live wrapper training ``tensor`` (a parameter in its layout, a piece or a master), else ``None``."""
-    ref = _LIVE.get(id(tensor))
-    return ref() if ref is not None else None
-
-
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the same elements of the same memory (one a view of the other, or equal)."""
-    return a is b or (a.dtype == b.dtype and a.shape == b.shape and a.data_ptr() == b.data_ptr()
-                      and a.stride() == b.stride())
 
 
 class GradientSync:
@@ -385,11 +193,12 @@ class GradientSync:
             ([p for p in split if names[p] in experts], groups.expert_group)) if ps]
         self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
         self._flag_reduces: list[collectives.Collective] = []  # their all-reduces in flight, one per group
-        # a clipping list's vote not read yet (on an accelerator; Note [parameter lists] in ``engine/clip.py``)
-        self._list_verdict = None
+        self.parameter_lists = ParameterLists(names, self.unit_of, self.layout_parameter_of, self.is_expert,
+                                              self._device)
+        """The lists of parameters a norm is given, and their votes (Note [parameter lists] in ``engine/clip.py``)."""
         self._micro_batch_is_last = True
         self._grads_handed_out = False
-        self._any_seen = False  # a gradient arrived this accumulation (per parameter: _GradRecord.seen)
+        self._any_seen = False  # a gradient arrived this accumulation (per parameter: GradRecord.seen)
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
         # Note [replica reduce in backward]: buckets with chunks whose in-group reduce-scatter is dispatched and
         # whose cross-group reduce is not, in dispatch order; and those whose cross-group reduce is under way.
@@ -399,7 +208,7 @@ class GradientSync:
         self.synced_at = 0
         """When this side last handed out reduced gradients, in this process's count of syncs (0: never)."""
         # What this rank steps, in registration order (Note [gradient lifecycle]).
-        self._records = {p: _GradRecord(p, grad_views[p], self._bucket_of[p]) for p in names}
+        self._records = {p: GradRecord(p, grad_views[p], self._bucket_of[p]) for p in names}
         for (ps, _), flags in zip(self._split_by_group, self._split_flags):
             for i, p in enumerate(ps):
                 self._records[p].split_flag = flags[i]
@@ -412,7 +221,7 @@ class GradientSync:
         self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
         self._unit_of.update((u.param, u) for u in self._units)
         self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
-        self._unhooked: list[_GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
+        self._unhooked: list[GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
         self._refresh_stepped_apart()  # registers the gradient hooks
         self._mark_split_gradients()
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
@@ -464,8 +273,8 @@ class GradientSync:
         self._units, self._unit_of, self._stepped_apart, self._carry = [], {}, {}, []
         self._grads_handed_out = False
         if wait:
-            self.resolve_list_votes()  # a disagreement raises after the rest is released
-        self._list_verdict = None
+            self.parameter_lists.resolve_votes()  # a disagreement raises after the rest is released
+        self.parameter_lists.discard_votes()
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -506,7 +315,7 @@ class GradientSync:
                 grad = unit.stepped.grad
                 if grad is None:
                     continue
-                if not _same_memory(grad, unit.slot):  # a copy in another dtype, or a tensor the user set
+                if not unit.is_slot(grad):  # a copy in another dtype, or a tensor the user set
                     with torch.no_grad():
                         unit.slot.copy_(grad)
                 carried.append(unit)
@@ -591,14 +400,14 @@ class GradientSync:
         if arrived:
             self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
 
-    def _before_split_accumulation(self, grad: torch.Tensor, rec: _GradRecord) -> None:
+    def _before_split_accumulation(self, grad: torch.Tensor, rec: GradRecord) -> None:
         """A hook on a split parameter, run before autograd adds ``grad`` into its ``.grad``: a marker still
         there from the last sync is no gradient to add to, so accumulation restarts first (Note [split
-        gradients])."""
+        gradients] in ``engine/split_gradient.py``)."""
         if rec.param.grad is rec.split_grad:
             self.prepare_backward()
 
-    def _on_grad_ready(self, param: nn.Parameter, rec: _GradRecord) -> None:
+    def _on_grad_ready(self, param: nn.Parameter, rec: GradRecord) -> None:
         if self.sharded:
             self._on_backward()
         grad = param.grad
@@ -806,7 +615,7 @@ class GradientSync:
         """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;
         its master (if any) the same gradient in float32."""
         slot, tensor = unit.slot, unit.tensor
-        if unit.split:  # Note [split gradients]
+        if unit.split:  # Note [split gradients] in ``engine/split_gradient.py``
             unit.param.grad = unit.record.handed = unit.record.split_grad
         tensor.main_grad = slot
         tensor.grad = slot if slot.dtype == tensor.dtype else slot.to(tensor.dtype)
@@ -830,11 +639,11 @@ class GradientSync:
 
     def _mark_split_gradients(self) -> None:
         """Each split parameter this rank steps a piece of gets its ``.grad`` marker and the hook that clears it
-        (Note [split gradients])."""
+        (Note [split gradients] in ``engine/split_gradient.py``)."""
         for unit in self._units:
             if unit.split:
                 rec = unit.record
-                rec.split_grad = _split_gradient(unit.param, self._param_names[unit.param])
+                rec.split_grad = make_split_gradient(unit.param, self._param_names[unit.param])
                 rec.split_hook = unit.param.register_hook(functools.partial(self._before_split_accumulation, rec=rec))
 
     def _refresh_stepped_apart(self) -> None:
@@ -944,17 +753,9 @@ class GradientSync:
         return bucket.stepped_grad()
 
     def grads_are_finite(self) -> bool:
-        """Whether every rank's reduced gradients are finite (one all-reduce; after :meth:`finish`).
-
-        Each rank checks its own shards (every gradient element lies in exactly one),
-        so all ranks return the same verdict.
-        """
-        device = self._device()
-        bad = torch.zeros((), dtype=torch.float32, device=device)
-        for bucket in self._buckets:
-            bad = torch.maximum(bad, (~torch.isfinite(self.own_shard(bucket))).any().float())
-        collectives.all_reduce_max(bad, self.process_groups.dp)
-        return not bool(bad.item())
+        """Whether every rank's reduced gradients are finite (``all_finite`` in ``engine/clip_reductions.py``, over
+        this rank's shards: one all-reduce; after :meth:`finish`)."""
+        return all_finite((self.own_shard(b) for b in self._buckets), self._device(), self.process_groups.dp)
 
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squares of the full reduced gradient, from owned shards (one all-reduce).
@@ -977,124 +778,17 @@ class GradientSync:
         """Everything this rank steps, in registration order (Note [gradient lifecycle])."""
         return self._units
 
-    def units_of(self, tensors) -> list[GradUnit]:
-        """What this rank steps of ``tensors`` (parameters, pieces or masters; each unit once, in list order)."""
-        return self._units_listed(tensors)[0]
-
-    def _units_listed(self, tensors) -> tuple[list[GradUnit], set]:
-        units, seen, listed = [], set(), set()
-        for t in tensors:
-            param = self.layout_parameter_of(t)
-            if param is None:
-                continue
-            listed.add(param)
-            unit = self._unit_of.get(param)
-            if unit is not None and id(unit) not in seen:
-                seen.add(id(unit))
-                units.append(unit)
-        return units, listed
-
-    def units_and_votes(self, tensors) -> tuple[list[GradUnit], torch.Tensor]:
-        """:meth:`units_of` ``tensors`` and this rank's vote on the list, to be summed (or maximized) over the
-        data-parallel group and read by :meth:`check_list_votes` (Note [parameter lists] in ``engine/clip.py``)."""
-        units, listed = self._units_listed(tensors)
-        voters = self._list_voters()
-        listed_mask = torch.tensor([p in listed for p in voters], dtype=torch.bool)
-        holds = self._holds_mask
-        # row 0: this rank holds the parameter's gradient and left it out; row 1: this rank named it
-        votes = torch.cat([holds & ~listed_mask, listed_mask]).float()
-        return units, votes.to(self._device())
-
-    def check_list_votes(self, votes: torch.Tensor, what: str) -> None:
-        """Raises, on every rank alike, if the summed votes of :meth:`units_and_votes` show a parameter named on
-        some ranks and left out by a rank that holds its gradient (Note [parameter lists] in ``engine/clip.py``).
-
-        On CPU at once. On an accelerator the verdict is copied to the host without waiting and read at the next
-        call, or at :meth:`release`: reading it now would stop the host until the step's backward and this
-        all-reduce ran, every step, for a check that nearly always passes.
-        """
-        self.resolve_list_votes()
-        n = len(self._list_voters())
-        if n == 0:
-            return
-        bad = (votes[:n] > 0) & (votes[n:] > 0)
-        if bad.device.type == "cpu":
-            self._raise_for_votes(bad, what)
-            return
-        verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
-        verdict.copy_(bad.any(), non_blocking=True)
-        landed = torch.cuda.Event()
-        landed.record()
-        self._list_verdict = (bad, verdict, landed, what)
-
-    def resolve_list_votes(self) -> None:
-        """Reads a verdict :meth:`check_list_votes` left on an accelerator, raising as it would have."""
-        pending, self._list_verdict = self._list_verdict, None
-        if pending is not None:
-            bad, verdict, landed, what = pending
-            landed.synchronize()  # the last call's work only: long done by the next one
-            if bool(verdict):
-                self._raise_for_votes(bad, what)
-
-    def _raise_for_votes(self, bad: torch.Tensor, what: str) -> None:
-        wrong = bad.nonzero().flatten().tolist()
-        if not wrong:
-            return
-        voters = self._list_voters()
-        names = [self._param_names[voters[i]] for i in wrong[:3]]
-        raise ValueError(
-            f"{what} was given different parameters on different ranks: {names}{' and more' if len(wrong) > 3 else ''} "
-            "are in the list on some ranks but left out on a rank that holds their gradient. Under "
-            "strategy='layerwise' a rank holds the reduced gradient only of what it steps, so the list must name "
-            "the same parameters on every rank: model.parameters(), a fixed part such as "
-            "model.decoder.parameters(), or either filtered by `p.grad is not None` (which this strategy keeps "
-            "consistent).")
-
-    def _list_voters(self) -> list[nn.Parameter]:
-        """The layout parameters a list is voted on, in layout order (the same on every rank): the dense ones;
-        an expert parameter is a different tensor on each expert-parallel rank."""
-        voters = getattr(self, "_voters", None)
-        if voters is None:
-            voters = [p for p in self._param_names if not self.is_expert(p)]
-            self._voters = voters
-            self._holds_mask = torch.tensor([p in self._unit_of for p in voters], dtype=torch.bool)
-        return voters
-
     def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None,
                   extra: torch.Tensor | None = None) -> torch.Tensor:
-        """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element.
+        """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element
+        (:func:`~lightning_layerwise.engine.clip_reductions.shard_sum`).
 
-        Each owner group holds the dense gradient once (with replica sharing, the world does: each
-        element in the chunk of one rank); each expert element lies in the shard of one rank of its
-        expert data-parallel group, and those groups cover every rank.
         ``units`` (each rank its own, :meth:`unit_of`): sum ``fn`` of those units' gradients
         instead of whole shards, i.e. the part of the gradient a set of parameters holds.
         ``extra`` (float32, on the buffers' device) is summed over the data-parallel group in the same
         all-reduce, in place. Collective (one all-reduce, two with expert parallelism).
         """
-        # timed as "norm_all_reduce" (Note [timing communication waits] in ``engine/waiter.py``)
-        t0 = time.perf_counter()
-        device = self._device()
-        dense = torch.zeros((), dtype=torch.float32, device=device)
-        expert = torch.zeros((), dtype=torch.float32, device=device)
         parts = ((self.own_shard(b), b.expert) for b in self._buckets) if units is None \
             else ((u.slot, u.bucket.expert) for u in units)
-        for tensor, is_expert in parts:
-            value = fn(tensor).to(device)
-            if is_expert:
-                expert += value
-            else:
-                dense += value
-        # the layout group spans the data-parallel group (Note [replica sharing] in ``layout/sharing.py``)
-        if extra is not None:
-            payload = collectives.all_reduce_sum(torch.cat([dense.reshape(1), extra]), self.layout_group)
-            dense = payload[0]
-            extra.copy_(payload[1:])
-        else:
-            collectives.all_reduce_sum(dense, self.layout_group)
-        if self.expert_parallel_size > 1:
-            collectives.all_reduce_sum(expert, self.process_groups.dp)
-            dense += expert
-        if self.waiter.seconds is not None:
-            self.waiter.add("norm_all_reduce", t0)
-        return dense
+        return shard_sum(parts, fn, self._device(), self.layout_group, self.process_groups.dp,
+                         self.expert_parallel_size, self.waiter, extra)

@@ -56,7 +56,7 @@ from torch import nn
 from . import clip
 from . import collectives
 from .data_parallel import LayerwiseDataParallel
-from .grad_sync import _LIVE, live_wrappers, wrapper_of
+from .live_wrappers import _LIVE, live_wrappers, wrapper_of
 
 _ORIGINAL: dict[str, Callable] = {}
 _UNDO: list[Callable[[], None]] = []  # what puts the originals back, in the order of installing

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ..optim.qk_clip import ATTENTION_ATTRIBUTE, LOGITS_ATTRIBUTE, AttentionHeads, head_factors
 from . import collectives
-from .grad_sync import wrapper_of
+from .live_wrappers import wrapper_of
 
 __all__ = ["QKClip"]
 

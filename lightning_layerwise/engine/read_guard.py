@@ -81,7 +81,7 @@ def _metadata_functions() -> frozenset:
 
 
 METADATA_FUNCTIONS = _metadata_functions()
-"""Tensor operations that read no element (also what a split gradient allows, ``grad_sync.SplitGradient``)."""
+"""Tensor operations that read no element (also what a split gradient allows, ``split_gradient.SplitGradient``)."""
 _calls = 0  # operations that read a pending parameter so far: see call_index()
 _ON_READ: dict[int, weakref.WeakMethod] = {}
 """``id(param)`` -> the wrapper's ``callback(param, func)`` that makes it current or raises. Kept out of the

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import grads as lightning_grads
 from torch import nn
 
 from ..engine import grad_utils
-from ..engine.grad_sync import any_live
+from ..engine.live_wrappers import any_live
 
 _original: Callable | None = None
 """Lightning's own ``grad_norm`` (a copy of the function with its original code), while patched."""

@@ -32,7 +32,7 @@ Note [matrix views]
     ``mark_matrices(w, stack=False)``. Every matrix of a view is orthogonalized,
     scaled (``adjust_lr`` by its own shape) and normalized (NorMuon, per row) as a
     matrix of its own; matrices of one shape batch together across parameters
-    (Note [batched Newton-Schulz] in ``optim/muon.py``).
+    (Note [batched Newton-Schulz] in ``optim/orthogonalization.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Muon for matrices, AdamW for everything else, in one ``torch.optim.Optimizer``.
 
 The maths comes first as plain functions without ``torch.distributed``
-(:func:`newton_schulz`, :func:`newton_schulz_reference`, :func:`muon_update`,
-:func:`adjust_lr_scale`, :func:`muon_step`); the :class:`Muon` class after them
-only keeps state and routes each param group to the Muon or the AdamW rule.
+(:func:`muon_update`, :func:`adjust_lr_scale`, :func:`normuon_rows`, :func:`muon_step`;
+Newton-Schulz itself is in ``optim/orthogonalization.py``); the :class:`Muon` class after
+them only keeps state and routes each param group to the Muon or the AdamW rule.
 
 Note [layer-wise stepping]
     The step touches only parameters whose ``.grad`` is not None, and creates
@@ -13,52 +13,6 @@ Note [layer-wise stepping]
     whole matrix on one rank, and optimizer state exists once in the world.
     Nothing in this module knows about ranks; the wrapper decides by setting
     ``.grad`` or leaving it None.
-
-Note [parity with torch.optim.Muon]
-    The per-matrix path (:func:`newton_schulz_reference`, used when
-    ``batched=False`` or when a shape occurs once) performs the same tensor
-    operations in the same order as ``torch.optim.Muon`` (2.13): cast to
-    ``ns_dtype``, transpose tall matrices, divide by ``norm().clamp(min=eps)``,
-    then ``addmm`` for ``b*A + c*A@A`` and for ``a*X + B@X``. With the same
-    hyperparameters the updates are therefore bit-identical on CPU in bf16.
-    The momentum rule also follows torch: ``buf.lerp_(grad, 1 - momentum)``
-    (an EMA, which is ``(1 - momentum)`` times the classical ``buf = momentum
-    * buf + grad``; Newton-Schulz normalises the scale away, so only the
-    relative weight of grad and history matters).
-
-Note [batched Newton-Schulz]
-    Matrices of one shape, dtype and device are stacked and orthogonalised in
-    one call of batched matmuls (``baddbmm``), so a model with n_layer
-    identical blocks issues four launches per NS iteration instead of
-    4 * n_layer. The Frobenius norm is taken per matrix, so the result equals
-    the per-matrix path up to the rounding of the batched kernels.
-
-Note [chunked Newton-Schulz]
-    Stacking every owned matrix of one shape at once makes the temporaries of
-    a step grow with the number of matrices. ``ns_batch_bytes`` caps one
-    stack: a same-shape batch of n matrices is cut into ceil(n / k)
-    consecutive chunks of nearly equal length (they differ by at most one),
-    ``k = ns_batch_bytes // (rows * cols * itemsize(ns_dtype))``, and
-    :func:`muon_step` runs momentum, Newton-Schulz and the parameter update
-    chunk by chunk, dropping each chunk's temporaries before the next, so the
-    step's peak is a fixed multiple of the budget (docs/muon.md), whatever the
-    number of matrices. ``None`` stacks the whole batch.
-
-    No operation mixes the matrices of a stack (the norm is per matrix, each
-    matmul of a ``baddbmm`` is one matrix's), so chunking should change no
-    value, and on CPU it changes none (tested, bf16 and float32, 1 and 2
-    threads) with one exception that the chunking avoids: oneDNN multiplies
-    a bf16 *batch of one* differently from a batch of several (measured: a
-    16x16 or a tall 2048x512 matrix differs in the last bits). A chunk
-    therefore holds at least two matrices, so a budget below two matrices'
-    bytes is exceeded (stacks of two, or three for an odd count), as a budget
-    below one matrix's is by a shape that occurs once. On CUDA, cuBLAS picks
-    its kernels by problem size, batch count included, so chunked and
-    unchunked results may differ in rounding there (not measured).
-
-    A parameter of several matrices (a stack, blocks: Note [matrix views] in
-    ``optim/matrices.py``) may have them in several chunks: its momentum direction is
-    kept from its first chunk to its last, one parameter's worth beyond the budget.
 
 Note [NorMuon]
     ``normuon=True`` follows NorMuon (Li, Liu, Liang, Chen, Zhao 2025, arXiv:2510.05491,
@@ -87,7 +41,6 @@ Note [defaults of the two group kinds]
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -97,190 +50,22 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _functional_adamw
 
 from .matrices import MATRICES_ATTRIBUTE, PLAIN, MatrixView, matrix_blocks, matrix_shapes
-from .muon_options import (ADJUST_LR_MODES, DEFAULT_NS_BATCH_BYTES, NS_SCHEDULES, AdjustLR, NSCoefficients,
-                           NSDtype, check_group, check_group_view, checked_defaults, param_label,
-                           resolve_dtype, resolve_ns_coefficients)
+from .muon_options import (ADJUST_LR_MODES, DEFAULT_NS_BATCH_BYTES, AdjustLR, NSCoefficients, NSDtype, check_group,
+                           check_group_view, checked_defaults, param_label, resolve_dtype)
+from .orthogonalization import ns_chunks, orthogonalize
 
 __all__ = [
-    "DEFAULT_NS_BATCH_BYTES",
-    "NS_SCHEDULES",
     "Muon",
     "adjust_lr_scale",
     "muon_step",
     "muon_update",
-    "newton_schulz",
     "normuon_rows",
     "second_moment_size",
-    "newton_schulz_reference",
-    "orthogonalize",
-    "resolve_ns_coefficients",
 ]
 
 # ---------------------------------------------------------------------------
 # Pure maths
 # ---------------------------------------------------------------------------
-
-
-def newton_schulz_reference(
-    G: Tensor,
-    steps: int = 5,
-    coefficients: NSCoefficients = "simple",
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """Orthogonalise one matrix, op for op like ``torch.optim.Muon`` (the slow path).
-
-    Returns an approximation of ``U V^T`` (``G = U S V^T``) in ``dtype`` with G's shape.
-    See Note [parity with torch.optim.Muon].
-    """
-    if G.ndim != 2:
-        raise ValueError(
-            f"newton_schulz_reference takes one matrix; got shape {tuple(G.shape)}. Use newton_schulz for a batch"
-        )
-    coeffs = resolve_ns_coefficients(coefficients, steps)
-    X = G.to(dtype)
-    tall = G.size(0) > G.size(1)
-    if tall:
-        # Work on the wide side so the Gram matrix X X^T is the small (min, min) one.
-        X = X.T
-    # Frobenius norm >= spectral norm, so after this every singular value is <= 1,
-    # inside the interval the polynomials are designed for.
-    X = X / X.norm().clamp(min=eps)
-    for a, b, c in coeffs:
-        A = X @ X.T
-        B = torch.addmm(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
-        X = torch.addmm(X, B, X, beta=a)  # a*X + B@X
-    return X.T if tall else X
-
-
-def newton_schulz(
-    G: Tensor,
-    steps: int = 5,
-    coefficients: NSCoefficients = "simple",
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """Orthogonalise the matrices in the last two dims of ``G``, batched over leading dims.
-
-    ``G`` of shape ``(*batch, m, n)`` returns ``(*batch, m, n)`` in ``dtype``; each
-    matrix is normalised by its own Frobenius norm. A 2-D ``G`` takes the per-matrix
-    path, so one matrix gives exactly :func:`newton_schulz_reference`'s result.
-    """
-    if G.ndim < 2:
-        raise ValueError(f"newton_schulz needs a tensor with >= 2 dims; got shape {tuple(G.shape)}")
-    if G.ndim == 2:
-        return newton_schulz_reference(G, steps, coefficients, eps, dtype)
-    coeffs = resolve_ns_coefficients(coefficients, steps)
-    batch_shape, (m, n) = G.shape[:-2], G.shape[-2:]
-    X = G.to(dtype).reshape(-1, m, n)
-    tall = m > n
-    if tall:
-        X = X.mT
-    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
-    for a, b, c in coeffs:
-        A = X @ X.mT
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    if tall:
-        X = X.mT
-    return X.reshape(*batch_shape, m, n)
-
-
-def _chunk_lengths(count: int, rows: int, cols: int, dtype: torch.dtype, max_batch_bytes: int | None) -> list[int]:
-    """Lengths of the stacks that ``count >= 2`` same-shape matrices are cut into (Note [chunked Newton-Schulz]).
-
-    As few stacks as the budget allows, of nearly equal length, none shorter than two.
-    """
-    if max_batch_bytes is None:
-        return [count]
-    limit = max(2, max_batch_bytes // (rows * cols * dtype.itemsize))
-    chunks = -(-count // limit)
-    if count // chunks < 2:  # limit 2 and an odd count: one stack of three rather than one of one
-        chunks = count // 2
-    base, longer = divmod(count, chunks)
-    return [base + 1] * longer + [base] * (chunks - longer)
-
-
-def _ns_chunks(
-    keys: Sequence[tuple], dtype: torch.dtype, batched: bool, max_batch_bytes: int | None
-) -> list[tuple[list[int], bool]]:
-    """Index lists to orthogonalise together, and whether each takes the batched path.
-
-    ``keys[i]`` is ``((rows, cols), dtype, device)`` of matrix ``i``. Matrices sharing a
-    key form a batch (order of first appearance), cut into stacks of
-    :func:`_chunk_lengths`; a key seen once, or ``batched=False``, gives
-    per-matrix chunks on the reference path. See Note [chunked Newton-Schulz].
-    """
-    if not batched:
-        return [([i], False) for i in range(len(keys))]
-    buckets: dict[tuple, list[int]] = defaultdict(list)
-    for i, key in enumerate(keys):
-        buckets[key].append(i)
-    chunks: list[tuple[list[int], bool]] = []
-    for (shape, _, _), idx in buckets.items():
-        if len(idx) == 1:
-            chunks.append((idx, False))
-            continue
-        start = 0
-        for length in _chunk_lengths(len(idx), shape[0], shape[1], dtype, max_batch_bytes):
-            chunks.append((idx[start:start + length], True))
-            start += length
-    return chunks
-
-
-def _stack_as(matrices: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
-    """``torch.stack(matrices).to(dtype)`` without the intermediate stack in the input dtype."""
-    first = matrices[0]
-    out = torch.empty((len(matrices), *first.shape), dtype=dtype, device=first.device)
-    for slot, M in zip(out, matrices):
-        slot.copy_(M)  # the same rounding as .to(dtype)
-    return out
-
-
-def _orthogonalize_chunk(
-    matrices: Sequence[Tensor],
-    stacked: bool,
-    steps: int,
-    coefficients: NSCoefficients,
-    eps: float,
-    dtype: torch.dtype,
-) -> Sequence[Tensor]:
-    """Newton-Schulz of one chunk (see :func:`_ns_chunks`): one batched call, or the reference path."""
-    if not stacked:
-        return [newton_schulz_reference(M, steps, coefficients, eps, dtype) for M in matrices]
-    return newton_schulz(_stack_as(matrices, dtype), steps, coefficients, eps, dtype).unbind(0)
-
-
-def _check_2d(matrices: Sequence[Tensor]) -> None:
-    for i, M in enumerate(matrices):
-        if M.ndim != 2:
-            raise ValueError(f"orthogonalize takes 2-D matrices; matrix {i} has shape {tuple(M.shape)}")
-
-
-def orthogonalize(
-    matrices: Sequence[Tensor],
-    steps: int = 5,
-    coefficients: NSCoefficients = "simple",
-    eps: float = 1e-7,
-    dtype: torch.dtype = torch.bfloat16,
-    batched: bool = True,
-    max_batch_bytes: int | None = None,
-) -> list[Tensor]:
-    """Newton-Schulz on a list of 2-D matrices; same-shape ones share batched calls.
-
-    See Note [batched Newton-Schulz]. ``max_batch_bytes`` caps the bytes of one stack
-    (in ``dtype``); a larger same-shape batch is orthogonalised in chunks, with the same
-    result (Note [chunked Newton-Schulz]). Output ``i`` corresponds to input ``i``.
-    """
-    if batched:
-        _check_2d(matrices)
-    out: list[Tensor | None] = [None] * len(matrices)
-    keys = [(tuple(M.shape), M.dtype, M.device) for M in matrices]
-    for idx, stacked in _ns_chunks(keys, dtype, batched, max_batch_bytes):
-        for i, O in zip(idx, _orthogonalize_chunk([matrices[i] for i in idx], stacked, steps, coefficients, eps,
-                                                  dtype)):
-            out[i] = O
-    return out  # type: ignore[return-value]
 
 
 def adjust_lr_scale(shape: Sequence[int], mode: AdjustLR | None = "original") -> float:
@@ -310,8 +95,11 @@ def adjust_lr_scale(shape: Sequence[int], mode: AdjustLR | None = "original") ->
 def muon_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
     """Advance ``momentum_buffer`` in place and return the direction to orthogonalise.
 
-    Follows torch: ``buf <- lerp(buf, grad, 1 - momentum)``; the direction is
-    ``lerp(grad, buf, momentum)`` with Nesterov, else ``buf``. ``grad`` is not modified.
+    Follows torch (Note [parity with torch.optim.Muon] in ``optim/orthogonalization.py``):
+    ``buf <- lerp(buf, grad, 1 - momentum)``; the direction is ``lerp(grad, buf, momentum)``
+    with Nesterov, else ``buf``. ``grad`` is not modified. The EMA is ``(1 - momentum)`` times
+    the classical ``buf = momentum * buf + grad``; Newton-Schulz normalises the scale away,
+    so only the relative weight of grad and history matters.
     """
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
@@ -371,8 +159,8 @@ def muon_step(
     one ``(out, rest)`` matrix), then ``block -= lr * adjust_lr_scale(block shape) * O`` for each matrix. With
     ``second_moments`` (NorMuon, Note [NorMuon]) each ``O`` is normalized per row by :func:`normuon_rows` and the
     paper's step size replaces ``adjust_lr``. Matrices are processed one Newton-Schulz chunk at a time (at most
-    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz]); each matrix's update depends only on
-    its own gradient and state, so the order changes nothing.
+    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz] in ``optim/orthogonalization.py``); each
+    matrix's update depends only on its own gradient and state, so the order changes nothing.
     """
     if not params:
         return
@@ -388,23 +176,16 @@ def muon_step(
     rows = [_second_moment_rows(s) for s in shapes] if second_moments is not None else []
     directions: dict[int, list[Tensor]] = {}
     targets: dict[int, tuple[Tensor, list[Tensor]]] = {}
-    for idx, stacked in _ns_chunks(keys, ns_dtype, batched, ns_batch_bytes):
+    for idx, stacked in ns_chunks(keys, ns_dtype, batched, ns_batch_bytes):
         # One chunk at a time: its temporaries (and a parameter's direction once its last matrix is done) are
         # dropped before the next chunk's are made.
         for e in idx:
             i = entries[e][0]
-            if i in directions:
-                continue
-            direction = muon_update(grads[i], momentum_buffers[i], momentum, nesterov)
-            p = params[i]
-            p.mul_(1 - lr * weight_decay)
-            if len(shapes[i]) == 1:
-                # One matrix: the update is added to the parameter whole, whatever its strides (torch's path).
-                directions[i] = [direction.reshape(shapes[i][0])]
-            else:
-                work = p if p.is_contiguous() else p.contiguous()
-                directions[i] = matrix_blocks(direction.contiguous(), views[i])
-                targets[i] = (work, matrix_blocks(work, views[i]))
+            if i not in directions:
+                directions[i], target = _start_parameter(params[i], grads[i], momentum_buffers[i], shapes[i],
+                                                         views[i], momentum, nesterov, lr * weight_decay)
+                if target is not None:
+                    targets[i] = target
         ortho = orthogonalize([directions[entries[e][0]][entries[e][1]] for e in idx], ns_steps, ns_coefficients,
                               ns_eps, ns_dtype, batched=stacked)
         for e, O in zip(idx, ortho):
@@ -427,6 +208,29 @@ def muon_step(
                 if work is not p:
                     p.copy_(work)
         del ortho
+
+
+def _start_parameter(
+    p: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    shapes: Sequence[tuple[int, int]],
+    view: MatrixView | None,
+    momentum: float,
+    nesterov: bool,
+    decay: float,
+) -> tuple[list[Tensor], tuple[Tensor, list[Tensor]] | None]:
+    """A parameter's part of :func:`muon_step` before its first Newton-Schulz chunk: momentum, then the decoupled
+    weight decay ``p *= 1 - decay``. Returns the directions of its matrices (``shapes``, in view order) and, for a
+    parameter of several matrices, the contiguous tensor its updates go into with its matrix blocks (``None``:
+    the update is added to ``p`` itself)."""
+    direction = muon_update(grad, momentum_buffer, momentum, nesterov)
+    p.mul_(1 - decay)
+    if len(shapes) == 1:
+        # One matrix: the update is added to the parameter whole, whatever its strides (torch's path).
+        return [direction.reshape(shapes[0])], None
+    work = p if p.is_contiguous() else p.contiguous()
+    return matrix_blocks(direction.contiguous(), view), (work, matrix_blocks(work, view))
 
 
 def _split_names(params: list[Any]) -> tuple[list[Tensor], list[str | None]]:
@@ -484,7 +288,8 @@ class Muon(Optimizer):
         ns_batch_bytes: the most bytes of one such batched call's stack (in ``ns_dtype``);
             a larger same-shape batch runs in chunks, with bitwise the same result and a
             peak memory set by this budget instead of by the number of matrices
-            (Note [chunked Newton-Schulz]). ``None``: no limit, one stack per shape.
+            (Note [chunked Newton-Schulz] in ``optim/orthogonalization.py``). ``None``: no limit, one stack per
+            shape.
         normuon, normuon_beta2, normuon_eps: NorMuon's per-row normalization after
             Newton-Schulz (Note [NorMuon]); its ``lr`` is on AdamW's scale. ``None``: 0.95 and
             1e-8; a value needs ``normuon=True``.

@@ -71,8 +71,9 @@ NS_SCHEDULES: dict[str, tuple[Triple, ...]] = {
 }
 
 ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
-# The most bytes one Newton-Schulz stack holds by default (Note [chunked Newton-Schulz] in optim/muon.py): 128
-# bf16 matrices of 1024x1024 or 2 of 8192x8192 per batched call, enough to amortise launches.
+# The most bytes one Newton-Schulz stack holds by default (Note [chunked Newton-Schulz] in
+# optim/orthogonalization.py): 128 bf16 matrices of 1024x1024 or 2 of 8192x8192 per batched call, enough to amortise
+# launches.
 DEFAULT_NS_BATCH_BYTES = 2**28
 DTYPE_NAMES = {
     "bfloat16": torch.bfloat16,

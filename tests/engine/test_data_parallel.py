@@ -808,7 +808,7 @@ def test_a_wrapper_collected_without_release_leaves_no_live_entry():
     release() must leave none behind (a dead weak reference cannot even be hashed)."""
     import gc
 
-    from lightning_layerwise.engine.grad_sync import _LIVE
+    from lightning_layerwise.engine.live_wrappers import _LIVE
 
     gc.collect()  # wrappers earlier tests dropped without release() are collected now, not inside this test
     keep = LayerwiseDataParallel(nn.Linear(2, 2), process_groups=ProcessGroups.single())

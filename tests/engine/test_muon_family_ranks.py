@@ -32,7 +32,7 @@ from _dist import LATE_MS, reference_threads, run_distributed
 from _muon_family import (FamilyNet, ReferenceOptimizer, batches, loss_fn, moe_matrices, package_optimizer,
                           reference_run, rel_err)
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups, QKClip, full_parameters
-from lightning_layerwise.optim import elementwise_parameters, muon
+from lightning_layerwise.optim import elementwise_parameters, orthogonalization
 from lightning_layerwise.optim.matrices import matrix_shapes, matrix_views
 
 STEPS = 10
@@ -46,13 +46,13 @@ class CountMatrices:
 
     def __init__(self) -> None:
         self.per_step: list[Counter] = []
-        original = muon._orthogonalize_chunk
+        original = orthogonalization._orthogonalize_chunk
 
         def counting(matrices, *args, **kwargs):
             self.per_step[-1].update(tuple(m.shape) for m in matrices)
             return original(matrices, *args, **kwargs)
 
-        self.patch = mock.patch.object(muon, "_orthogonalize_chunk", counting)
+        self.patch = mock.patch.object(orthogonalization, "_orthogonalize_chunk", counting)
 
     def step(self) -> None:
         self.per_step.append(Counter())

@@ -227,16 +227,16 @@ class CountNewtonSchulz:
     Newton–Schulz of ``lightning_layerwise.Muon`` goes through (batched or not)."""
 
     def __init__(self) -> None:
-        from lightning_layerwise.optim import muon
+        from lightning_layerwise.optim import orthogonalization
 
         self.per_step: list[int] = []
-        original = muon._orthogonalize_chunk
+        original = orthogonalization._orthogonalize_chunk
 
         def counting(matrices, *args, **kwargs):
             self.per_step[-1] += len(matrices)
             return original(matrices, *args, **kwargs)
 
-        self.patch = mock.patch.object(muon, "_orthogonalize_chunk", counting)
+        self.patch = mock.patch.object(orthogonalization, "_orthogonalize_chunk", counting)
 
     def __enter__(self):
         self.patch.start()

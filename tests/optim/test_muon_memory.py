@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_layerwise.optim.muon as muon_module
+import lightning_layerwise.optim.orthogonalization as ns_module
 from lightning_layerwise.optim import Muon, mark_matrices, newton_schulz, orthogonalize
 from lightning_layerwise.optim.muon import DEFAULT_NS_BATCH_BYTES
 
@@ -124,15 +124,15 @@ def test_orthogonalize_in_chunks_equals_one_stack(ns_dtype):
 
 @pytest.fixture
 def recorded_batches(monkeypatch):
-    """Every tensor handed to muon's newton_schulz, as (number of matrices, bytes)."""
+    """Every tensor handed to newton_schulz, as (number of matrices, bytes)."""
     calls: list[tuple[int, int]] = []
-    original = muon_module.newton_schulz
+    original = ns_module.newton_schulz
 
     def recording(G, *args, **kwargs):
         calls.append((G.shape[0] if G.ndim == 3 else 1, G.numel() * G.element_size()))
         return original(G, *args, **kwargs)
 
-    monkeypatch.setattr(muon_module, "newton_schulz", recording)
+    monkeypatch.setattr(ns_module, "newton_schulz", recording)
     return calls
 
 
