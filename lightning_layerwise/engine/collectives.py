@@ -163,6 +163,13 @@ def probe_averaging(group: ProcessGroup | None, device: torch.device) -> frozens
     return found
 
 
+def forget_probes(group: ProcessGroup) -> None:
+    """Drops what :func:`probe_averaging` found for ``group`` (it is being destroyed): the probe holds the group
+    only so that its id is not reused while the result stands."""
+    for key in [key for key, (held, _) in _AVERAGING.items() if held is group]:
+        del _AVERAGING[key]
+
+
 def supports_average(group: ProcessGroup, op: str = "reduce_scatter", device: torch.device | str = "cpu") -> bool:
     """Whether ``group`` averages ``op`` (one of :data:`AVERAGED`) in the reduction, as :func:`probe_averaging` found
     for ``device`` tensors; a group never probed sums, and :meth:`Collective.wait` divides (always correct)."""

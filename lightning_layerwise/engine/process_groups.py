@@ -67,6 +67,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import collectives
+
 
 @dataclass(frozen=True)
 class ProcessGroups:
@@ -171,9 +173,11 @@ class ProcessGroups:
         for group in (self.dp_all_gather, self.replica, self.owner, self.dp, self.expert_owner_all_gather,
                       self.expert_replica, self.expert_owner, self.expert_dp_all_gather, self.expert_dp,
                       self.expert_parallel):
-            if group is not None and all(group is not g for g in seen) and dist.is_initialized():
+            if group is not None and all(group is not g for g in seen):
                 seen.append(group)
-                dist.destroy_process_group(group)
+                collectives.forget_probes(group)
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
 
     @classmethod
     def single(cls) -> "ProcessGroups":

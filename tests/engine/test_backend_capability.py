@@ -81,13 +81,15 @@ def _wrapper_worker(rank, world):
     groups = ProcessGroups.create(owner_group_size=2)
     wrapped = LayerwiseDataParallel(model, groups, bucket_size=64)
     wrapped.release()
+    held_before = len(collectives._AVERAGING)
     groups.destroy()
     del llw
-    return probed
+    return probed, held_before, len(collectives._AVERAGING)
 
 
 def test_the_wrapper_probes_its_owner_and_replica_groups_at_set_up():
-    for rank, probed in enumerate(run_distributed(_wrapper_worker, 4)):
+    for rank, (probed, held_before, held_after) in enumerate(run_distributed(_wrapper_worker, 4)):
+        assert held_before == 2 and held_after == 0, "the probes die with the groups"
         owner = tuple(range(rank // 2 * 2, rank // 2 * 2 + 2))
         replicas = (rank % 2, rank % 2 + 2)
         assert probed == [owner, replicas], (rank, probed)
