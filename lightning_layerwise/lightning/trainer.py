@@ -238,6 +238,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         self._profiled: Optional[tuple[Any, Any]] = None  # (trainer, its profiler) while hooks read collectively
         self._exit_hook: Optional[Callable[[], None]] = None  # ends a run left sharded at interpreter exit
         self._fitting = False  # the stage being set up or torn down is a fit
+        self._finetuning: list = []  # BaseFinetuning callbacks mapping through the session during a fit
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -332,7 +333,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self.session.sync_after_step = self._needs_sync_after_step(trainer)
-            _finetuning_sees_parameters(trainer, self.session)
+            self._finetuning = _finetuning_sees_parameters(trainer, self.session)
             if self.session.wrapper.shard_parameters:
                 self._read_in_hooks(trainer)
 
@@ -508,6 +509,9 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if self._profiled is not None:
             trainer, profiler = self._profiled
             trainer.profiler, self._profiled = profiler, None
+        for callback in self._finetuning:  # the callback's own method again
+            callback.__dict__.pop("_apply_mapping_to_param_groups", None)
+        self._finetuning = []
         wrapper = self.session.wrapper
         # a failed validate/test/predict on the run fit left keeps it: the trained values are not lost
         if wrapper is not None and wrapper.shard_parameters and (sys.exc_info()[0] is None or not self._fitting):
@@ -554,12 +558,13 @@ _PARAMETER_SAFE_CALLBACKS = (ModelCheckpoint, LearningRateMonitor, ProgressBar, 
 _BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_epoch_end")
 
 
-def _finetuning_sees_parameters(trainer, session) -> None:
+def _finetuning_sees_parameters(trainer, session) -> list:
     """``BaseFinetuning`` records the optimizers' param groups by parameter name (``_store``) and restores them
     by name when resuming (``on_fit_start``), looking tensors up by identity among the module's parameters.
-    The optimizers hold pieces and masters in their place here, so each such callback maps through the
-    session: an optimizer's tensor to its parameter's name, a name to the tensor the optimizer holds for it
-    (Note [re-planning] in ``session.py``)."""
+    The optimizers hold pieces and masters in their place here, so during the fit each such callback maps
+    through the session: an optimizer's tensor to its parameter's name, a name to the tensor the optimizer
+    holds for it (Note [re-planning] in ``session.py``). Returns the callbacks, whose own method teardown puts
+    back."""
     from lightning.pytorch.callbacks import BaseFinetuning
 
     def apply_mapping(param_groups: list, mapping: dict) -> list:
@@ -574,9 +579,10 @@ def _finetuning_sees_parameters(trainer, session) -> None:
             out.append(entry)
         return out
 
-    for callback in trainer.callbacks:
-        if isinstance(callback, BaseFinetuning):
-            callback._apply_mapping_to_param_groups = apply_mapping
+    patched = [callback for callback in trainer.callbacks if isinstance(callback, BaseFinetuning)]
+    for callback in patched:
+        callback._apply_mapping_to_param_groups = apply_mapping
+    return patched
 
 
 def _restore_finetuning_param_groups(module: Optional[LightningModule]) -> None:

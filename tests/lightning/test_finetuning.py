@@ -142,7 +142,10 @@ def _fit_worker(rank, world, root, case, fill):
     model = Finetuned(optimize_all=case == "toggle")
     strategy = llw.LayerwiseStrategy(bucket_size=BUCKET, elementwise_fill=fill)
     layout = Layout()
-    trainer(strategy, world, root, [*callbacks_for(case), layout]).fit(model, loader(rank, world))
+    fitted = trainer(strategy, world, root, [*callbacks_for(case), layout])
+    fitted.fit(model, loader(rank, world))
+    left = [type(c).__name__ for c in fitted.callbacks if "_apply_mapping_to_param_groups" in vars(c)]
+    assert not left, f"the strategy's mapping is still set on {left} after fit"
     return params_of(model), layout.split, layout.replans
 
 
