@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, run_distributed
+from helpers import rel_err
 
 VOCAB, SEQ, D = 29, 6, 16
 GLOBAL_BATCH = 12
@@ -123,10 +124,6 @@ CASES = {
     "muon-2-bf16-mixed": (2, {"optimizer": "muon"}, {"precision": "bf16-mixed"}),
     "adamw-2-compiled-blocks": (2, {"optimizer": "adamw", "compile_blocks": "aot_eager"}, {}),
 }
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 # Every case now and under the timing fuzzer; the compiled one (15 s a run, compiling) now only: its collectives
