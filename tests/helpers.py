@@ -2,20 +2,24 @@
 
 ``tests/`` is on pytest's path (``pythonpath`` in ``pyproject.toml``), so this module is ``helpers``:
 ``from helpers import rel_err, snapshot``. No test file imports another test file; what two of them share
-lives here (fixtures go in ``conftest.py``; running functions on several gloo ranks is ``_dist.py``).
+lives here. Fixtures go in ``conftest.py``; running a function on several gloo ranks is ``_dist.py``; the
+themed models and references of the meta-device and Muon-family tests are ``_init_styles.py`` and
+``_muon_family.py``; the GPU suite's child-process harness is ``gpu/_gpu.py`` (whose ``_rel_err`` and
+``_params_of`` differ from the ones here: an infinite error on a shape mismatch or a non-finite value, CPU copies).
 
 Sections, by what they serve:
 
 * comparing: ``rel_err`` (relative error in float64), ``snapshot`` (parameters by name, cloned),
   ``params_of`` (the same, with a compiled submodule's ``_orig_mod.`` left out of the names);
+* ``RMSNorm``: a norm without ``reset_parameters``;
 * ``Tiny``, ``tiny_batches``, ``tiny_trainer`` and ``outcome``: a two-layer LightningModule, its data and a
   quiet ``Trainer`` for the tests of bad inputs and faults; ``outcome(fn)`` runs ``fn`` and returns ``"ok"``
   or the type and text of what it raised, so a test can assert the exact message a user reads, also from a
   forked rank;
 * ``Regressor``, ``loaders``, ``Core``, ``dataset``, ``world_trainer``: the small regressor of
   ``lightning/test_trainer.py`` and the tests built on it;
-* ``gpt``, ``gpt_optimizer``, ``gpt_batches``, ``gpt_loss``, ``wrap_gpt``, ``backward_micro_batches``: the example
-  GPT with its tied embedding (``engine/test_elementwise_fill.py``);
+* ``gpt``, ``gpt_optimizer``, ``gpt_batches``, ``gpt_loss``, ``wrap_gpt``, ``backward_micro_batches``,
+  ``gpt_reference``: the example GPT with its tied embedding (``engine/test_elementwise_fill.py``);
 * ``moe_gpt``, ``moe_optimizer``, ``moe_batches``, ``moe_loss``, ``moe_reference``, ``wrap_moe``, ``train_moe``,
   ``global_names``: the example MoE GPT against one process holding every expert (``engine/test_experts.py``);
 * ``TiedNet`` and ``sharded_model``, ``sharded_batches``, ``sharded_loss``, ``sharded_optimizer``,
@@ -27,8 +31,9 @@ Sections, by what they serve:
   (``checkpoint/test_checkpoint_resharding.py``);
 * ``ROOT``, ``LAUNCH_SCRIPT``, ``clean_env``: running ``tests/launch_script.py`` in a fresh process.
 
-A section's constants carry its prefix (``GPT_VOCAB``, ``MOE_STEPS``, ...): the test file a section came from
-imports them under its old names (``from helpers import GPT_STEPS as STEPS``).
+Where two sections had the same name for different things (``batches``, ``optimizer``, ``STEPS``, ``Net``, ...),
+each carries its section's prefix (``gpt_batches``, ``moe_optimizer``, ``MOE_STEPS``, ``CkptNet``), and the test
+file it came from imports it under the name its tests use (``from helpers import gpt_batches as batches``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,19 @@ def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --- a norm without reset_parameters (engine/test_init_replay.py, lightning/test_meta_device_init.py) ----------------
+
+class RMSNorm(nn.Module):
+    """A norm without ``reset_parameters`` (as Hugging Face's and most hand-written ones)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 # --- Tiny: a two-layer LightningModule, its data, a quiet Trainer (the tests of bad inputs and faults) ---------------
@@ -248,6 +266,24 @@ def backward_micro_batches(model: nn.Module, ddp: LayerwiseDataParallel | None, 
                 (gpt_loss(ddp, part) / len(micro)).backward()
         else:
             (gpt_loss(ddp if ddp is not None else model, part) / len(micro)).backward()
+
+
+@functools.cache
+def gpt_reference_run(opt_name: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """One process on every batch of :func:`gpt_batches`: the parameters and the optimizer's state tensors."""
+    model = gpt()
+    opt = gpt_optimizer(opt_name, model)
+    with reference_threads():
+        for tokens in gpt_batches():
+            opt.zero_grad()
+            gpt_loss(model, tokens).backward()
+            opt.step()
+    return snapshot(model), [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def gpt_reference(opt_name: str) -> dict[str, torch.Tensor]:
+    """The parameters after :func:`gpt_batches` in one process (seed 0, optimizer ``opt_name``)."""
+    return gpt_reference_run(opt_name)[0]
 
 
 # --- the example MoE GPT (engine/test_experts.py) --------------------------------------------------------------------

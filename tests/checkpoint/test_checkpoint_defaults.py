@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from _dist import run_distributed
-from helpers import rel_err
+from helpers import gpt_reference, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, SEQ, WORLD, GLOBAL_BATCH = 31, 16, 2, 8
@@ -221,20 +221,6 @@ def _fabric_worker(rank, world, strategy, path, save: bool):
     return params
 
 
-def _fabric_reference():
-    from _dist import reference_threads
-    from helpers import gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, snapshot
-
-    with reference_threads():
-        model = gpt()
-        opt = optimizer("adamw", model)
-        for tokens in batches():
-            opt.zero_grad()
-            gpt_loss(model, tokens).backward()
-            opt.step()
-    return snapshot(model)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("saver, loader", [("layerwise", "ddp"), ("ddp", "layerwise"), ("layerwise-sharded", "ddp")])
 def test_fabric_default_checkpoints_move_to_and_from_ddp(tmp_path, saver, loader):
@@ -247,7 +233,7 @@ def test_fabric_default_checkpoints_move_to_and_from_ddp(tmp_path, saver, loader
         assert set(torch.load(path + ".full", weights_only=True)) == {"model", "optimizer", "step"}
         path += ".full"
     assert os.path.isfile(path), "the default writes one file for a small model"
-    want = _fabric_reference()
+    want = gpt_reference("adamw")
     for rank, params in enumerate(run_distributed(_fabric_worker, WORLD, loader, path, False)):
         assert_params_equal(params, want, f"fabric {saver} -> {loader}, rank {rank}")
 

@@ -23,7 +23,8 @@ from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
 from helpers import (GPT_VOCAB as VOCAB, backward_micro_batches, gpt, gpt_batches as batches, gpt_loss,
-                     gpt_optimizer as optimizer, rel_err, snapshot, wrap_gpt as wrap)
+                     gpt_optimizer as optimizer, gpt_reference, gpt_reference_run as _gpt_reference_run, rel_err,
+                     snapshot, wrap_gpt as wrap)
 from lightning_layerwise.engine.clip import clip_grad_norm_
 from lightning_layerwise.engine.grad_sync import GradientSync
 from lightning_layerwise.optim import muon_param_groups
@@ -44,22 +45,6 @@ def assert_matches(results: list[dict], reference: dict[str, torch.Tensor], what
 
 
 # --- the tied-embedding GPT ----------------------------------------------------------------------
-
-
-@functools.cache
-def _gpt_reference_run(opt_name: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    model = gpt()
-    opt = optimizer(opt_name, model)
-    with reference_threads():
-        for tokens in batches():
-            opt.zero_grad()
-            gpt_loss(model, tokens).backward()
-            opt.step()
-    return snapshot(model), [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-
-
-def gpt_reference(opt_name: str) -> dict[str, torch.Tensor]:
-    return _gpt_reference_run(opt_name)[0]
 
 
 def _reference_state(opt_name: str) -> list[torch.Tensor]:
