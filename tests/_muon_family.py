@@ -245,5 +245,3 @@ def moe_matrices(name: str, shape: tuple[int, ...]) -> list[tuple] | None:
     return None
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from _dist import run_distributed
+from helpers import gpt_reference, rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB, SEQ, WORLD, GLOBAL_BATCH = 31, 16, 2, 8
@@ -76,10 +77,6 @@ def _fit_worker(rank, world, root, strategy, max_steps, ckpt_path=None):
                         use_distributed_sampler=False)
     trainer.fit(model, torch.utils.data.DataLoader(GlobalBatches(), batch_size=None), ckpt_path=ckpt_path)
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 def assert_params_equal(got: dict, want: dict, what: str, tol: float = TOL) -> None:
@@ -199,7 +196,7 @@ def test_above_the_limit_the_default_shards_and_every_way_out_is_named(tmp_path)
 def _fabric_worker(rank, world, strategy, path, save: bool):
     from lightning.fabric import Fabric
 
-    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
+    from helpers import gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, snapshot
 
     import lightning_layerwise as llw
 
@@ -224,20 +221,6 @@ def _fabric_worker(rank, world, strategy, path, save: bool):
     return params
 
 
-def _fabric_reference():
-    from _dist import reference_threads
-    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
-
-    with reference_threads():
-        model = gpt()
-        opt = optimizer("adamw", model)
-        for tokens in batches():
-            opt.zero_grad()
-            gpt_loss(model, tokens).backward()
-            opt.step()
-    return snapshot(model)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("saver, loader", [("layerwise", "ddp"), ("ddp", "layerwise"), ("layerwise-sharded", "ddp")])
 def test_fabric_default_checkpoints_move_to_and_from_ddp(tmp_path, saver, loader):
@@ -250,7 +233,7 @@ def test_fabric_default_checkpoints_move_to_and_from_ddp(tmp_path, saver, loader
         assert set(torch.load(path + ".full", weights_only=True)) == {"model", "optimizer", "step"}
         path += ".full"
     assert os.path.isfile(path), "the default writes one file for a small model"
-    want = _fabric_reference()
+    want = gpt_reference("adamw")
     for rank, params in enumerate(run_distributed(_fabric_worker, WORLD, loader, path, False)):
         assert_params_equal(params, want, f"fabric {saver} -> {loader}, rank {rank}")
 

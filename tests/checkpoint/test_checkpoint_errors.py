@@ -27,7 +27,7 @@ from torch import nn
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-from _tiny import Tiny, batches, outcome, trainer
+from helpers import Tiny, outcome, tiny_batches as batches, tiny_trainer as trainer
 from lightning_layerwise import checkpoint as ckpt
 
 # save_sharded / read_sharded_metadata in one process: torch.distributed.checkpoint warns that it has no group.

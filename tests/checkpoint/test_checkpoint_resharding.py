@@ -19,111 +19,14 @@ import signal
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-
-GLOBAL_BATCH = 12
-STEPS = 3  # steps per epoch; checkpoints are written after epoch 1, runs end after 2 epochs
-TOL = 1e-5
-
-
-class Net(L.LightningModule):
-    def __init__(self, optimizer: str = "adamw"):
-        super().__init__()
-        self.save_hyperparameters()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(5, 24)
-        self.hidden = nn.Linear(24, 24)
-        self.norm = nn.LayerNorm(24)
-        self.out = nn.Linear(24, 2)
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-        self.losses: list[float] = []
-
-    def forward(self, x):
-        return self.out(self.norm(self.hidden(self.inp(x).tanh()).tanh()))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        self.calls += 1
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self):
-        if self.hparams.optimizer == "adamw":
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        else:  # "muon", or "normuon": NorMuon's per-row second moments are state that must reshard too
-            opt = llw.Muon(llw.muon_param_groups(self), lr=0.01 if self.hparams.optimizer == "normuon" else 0.02,
-                           adamw_lr=1e-2, ns_dtype=torch.float32, normuon=self.hparams.optimizer == "normuon")
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-class RankSlices(torch.utils.data.Dataset):
-    """Item i is this rank's slice of global batch i."""
-
-    def __init__(self, steps: int = STEPS):
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(steps, GLOBAL_BATCH, 5, generator=g)
-        self.y = torch.stack([self.x[..., 0] * self.x[..., 1], self.x[..., 2:].sum(-1)], dim=-1)
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        return self.x[i][rank::world], self.y[i][rank::world]
-
-
-def make_trainer(world: int, strategy="layerwise", fmt: str = "sharded", bucket_size: int = 40_000_000,
-                 callbacks=(), max_steps: int = 2 * STEPS, owner_group_size="auto", fill: bool = True) -> L.Trainer:
-    if strategy == "layerwise":
-        strategy = llw.LayerwiseStrategy(checkpoint_format=fmt, bucket_size=bucket_size,
-                                         owner_group_size=owner_group_size, elementwise_fill=fill)
-    return L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=max_steps, logger=False,
-                     enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-                     callbacks=list(callbacks), enable_progress_bar=False,
-                     enable_model_summary=False, use_distributed_sampler=False)
-
-
-def loader():
-    return torch.utils.data.DataLoader(RankSlices(), batch_size=None, shuffle=False)
-
-
-def global_losses(model: Net) -> list[float]:
-    """Per-step loss of the global batch: the mean of the ranks' (equal-sized) slice losses."""
-    losses = torch.tensor(model.losses, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(losses)
-        losses /= dist.get_world_size()
-    return losses.tolist()
-
-
-def result(model: Net) -> dict:
-    llw.release(model)  # a sharded run goes on after fit: ended here, every parameter whole (a no-op otherwise)
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "calls": int(model.calls), "losses": global_losses(model)}
-
-
-def _run_worker(rank, world, optimizer, strategy, fmt, dirpath, bucket_size=40_000_000, owner_group_size="auto"):
-    """The uninterrupted run of 2 epochs; ModelCheckpoint writes ``step=3.ckpt`` after the first."""
-    model = Net(optimizer)
-    save = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=STEPS, save_top_k=-1)
-    seen = {}
-
-    class Inspect(L.Callback):
-        def on_train_start(self, trainer, pl_module):
-            seen["owner_size"] = getattr(getattr(trainer.strategy, "wrapper", None), "owner_size", None)
-
-    trainer = make_trainer(world, strategy, fmt, bucket_size, callbacks=[save, Inspect()],
-                           owner_group_size=owner_group_size)
-    trainer.fit(model, loader())
-    return {**result(model), **seen}
+from helpers import (CKPT_STEPS as STEPS, CkptNet as Net, assert_at_checkpoint, assert_continues,
+                     ckpt_loader as loader, ckpt_result as result, ckpt_run_worker as _run_worker,
+                     ckpt_trainer as make_trainer, rel_err, saved_params)
 
 
 def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_000_000, owner_group_size="auto",
@@ -151,38 +54,6 @@ def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_0
     make_trainer(world, strategy, fmt, bucket_size, callbacks=[Inspect()], owner_group_size=owner_group_size,
                  fill=fill).fit(model, loader(), ckpt_path=path)
     return {**result(model), **inspected}
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
-def assert_continues(reference: dict, resumed: dict, what: str) -> None:
-    """The resumed run's parameters and per-step losses equal the uninterrupted run's second epoch."""
-    for name, value in resumed["params"].items():
-        err = rel_err(value, reference["params"][name])
-        assert err <= TOL, f"{what}: {name} differs by {err:.2e}"
-    assert len(resumed["losses"]) == STEPS, f"{what}: resumed for {len(resumed['losses'])} steps, not {STEPS}"
-    for step, (got, want) in enumerate(zip(resumed["losses"], reference["losses"][STEPS:]), start=STEPS + 1):
-        assert abs(got - want) <= TOL * abs(want), f"{what}: loss at step {step}: {got} vs {want}"
-    assert resumed["calls"] == reference["calls"], "the module buffer was restored from the checkpoint"
-
-
-def assert_at_checkpoint(reference_at_k: dict, resumed: dict, what: str) -> None:
-    """Right after loading, every rank holds the checkpoint's parameters (synced after load)."""
-    for name, value in resumed["params_at_start"].items():
-        err = rel_err(value, reference_at_k[name])
-        assert err <= TOL, f"{what}: {name} right after loading differs from the saved one by {err:.2e}"
-
-
-def saved_params(path: str) -> dict:
-    """The parameters a checkpoint holds, read with torch.distributed.checkpoint or torch.load."""
-    if os.path.isdir(path):
-        from lightning.fabric.utilities.load import _load_distributed_checkpoint
-        from pathlib import Path
-
-        return _load_distributed_checkpoint(Path(path))["model"]
-    return torch.load(path, weights_only=True)["state_dict"]
 
 
 # --- resume at another world size, bucket size, strategy ---------------------------------

@@ -23,8 +23,9 @@ import pytest
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-from test_checkpoint_resharding import (STEPS, Net, _run_worker, assert_at_checkpoint, assert_continues, loader,
-                                        make_trainer, result, saved_params)
+from helpers import (CKPT_STEPS as STEPS, CkptNet as Net, assert_at_checkpoint, assert_continues,
+                     ckpt_loader as loader, ckpt_result as result, ckpt_run_worker as _run_worker,
+                     ckpt_trainer as make_trainer, saved_params)
 
 
 def strategy(world: int, fmt: str, sharded: bool):

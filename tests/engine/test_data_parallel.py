@@ -11,31 +11,11 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
+from helpers import TiedNet as Net, rel_err
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise.engine import collectives
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3 and 4
-
-
-class Net(nn.Module):
-    """Awkward on purpose: tied weights, a layer used twice, a frozen and an unused layer, odd shapes."""
-
-    def __init__(self, vocab: int = 23, d: int = 16, h: int = 33):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.fc1 = nn.Linear(d, h)
-        self.fc2 = nn.Linear(h, h)
-        self.frozen = nn.Linear(h, h)
-        self.frozen.requires_grad_(False)
-        self.unused = nn.Linear(5, 7)
-        self.proj = nn.Linear(h, d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(self.emb(idx)).relu()
-        h = self.fc2(self.fc2(h).tanh())  # used twice
-        return self.head(self.proj(self.frozen(h).tanh()))
 
 
 def make_model(seed: int = 0) -> Net:
@@ -76,10 +56,6 @@ def reference_run(opt_name: str, steps: int) -> dict[str, torch.Tensor]:
             loss_fn(model, idx, target).backward()
             opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 # --- workers -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-from test_trainer import Regressor, loaders
+from helpers import Regressor, loaders
 
 
 def _worker(rank, world, optimizer):

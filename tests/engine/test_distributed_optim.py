@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
+from helpers import rel_err, snapshot
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise.engine.clip import clip_grad_norm_, clip_grad_value_, grad_norm
 from lightning_layerwise.optim import Muon, muon_param_groups
@@ -135,19 +136,11 @@ def loss_fn(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.
     return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of tensor state per parameter name (0-dim tensors such as AdamW's ``step`` included)."""
     names = {p: n for n, p in model.named_parameters()}
     return {names[p]: sum(t.numel() * t.element_size() for t in s.values() if torch.is_tensor(t))
             for p, s in opt.state.items() if s}
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 # --- (a), (b): training and optimizer state --------------------------------------------------

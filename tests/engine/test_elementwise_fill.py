@@ -22,63 +22,14 @@ import torch
 from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
-from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
+from helpers import (GPT_VOCAB as VOCAB, backward_micro_batches, gpt, gpt_batches as batches, gpt_loss,
+                     gpt_optimizer as optimizer, gpt_reference, gpt_reference_run as _gpt_reference_run, rel_err,
+                     snapshot, wrap_gpt as wrap)
 from lightning_layerwise.engine.clip import clip_grad_norm_
 from lightning_layerwise.engine.grad_sync import GradientSync
-from lightning_layerwise.optim import Muon, elementwise_parameters, muon_param_groups
+from lightning_layerwise.optim import muon_param_groups
 
-STEPS = 10
-GLOBAL_BATCH = 12  # rank r of world w forwards rows r::w... as chunks: t.chunk(world)[rank]
-SEQ = 8
-VOCAB = 97  # wte (97x24) is no peer of the MLP matrices (96x24): it is split at 2, 3 and 4 ranks
 TOL = 1e-5
-
-
-def gpt(seed: int = 0) -> nn.Module:
-    from examples.gpt import GPT, GPTConfig
-
-    torch.manual_seed(seed)
-    # No biases: the key bias of attention has a mathematically zero gradient, and Adam would
-    # scale its rounding noise (different on 1 and on N processes) up to the learning rate.
-    return GPT(GPTConfig(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=24, block_size=SEQ, bias=False))
-
-
-def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    if name == "sgd":  # AdamW and Muon are blind to a constant gradient scale; SGD is not
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    return Muon(muon_param_groups(model), lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, adamw_lr=3e-3,
-                adamw_weight_decay=0.1)
-
-
-def batches(steps: int = STEPS):
-    g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(steps)]
-
-
-def gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    _, loss = model(tokens[:, :-1], tokens[:, 1:])
-    return loss
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def wrap(model: nn.Module, opt: torch.optim.Optimizer, bucket_size: int,
-         owner_group_size: int | None = None) -> LayerwiseDataParallel:
-    """The wrapper with element-wise fill (and owner groups of ``owner_group_size``), as LayerwiseStrategy sets it up."""
-    elementwise = elementwise_parameters(opt)
-    groups = ProcessGroups.create(owner_group_size=owner_group_size)
-    ddp = LayerwiseDataParallel(model, groups, bucket_size=bucket_size, prefetch_depth=1,
-                                elementwise=lambda name, p: p in elementwise)
-    ddp.use_shards_in(opt)
-    return ddp
 
 
 def assert_matches(results: list[dict], reference: dict[str, torch.Tensor], what: str) -> float:
@@ -94,22 +45,6 @@ def assert_matches(results: list[dict], reference: dict[str, torch.Tensor], what
 
 
 # --- the tied-embedding GPT ----------------------------------------------------------------------
-
-
-@functools.cache
-def _gpt_reference_run(opt_name: str) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-    model = gpt()
-    opt = optimizer(opt_name, model)
-    with reference_threads():
-        for tokens in batches():
-            opt.zero_grad()
-            gpt_loss(model, tokens).backward()
-            opt.step()
-    return snapshot(model), [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-
-
-def gpt_reference(opt_name: str) -> dict[str, torch.Tensor]:
-    return _gpt_reference_run(opt_name)[0]
 
 
 def _reference_state(opt_name: str) -> list[torch.Tensor]:
@@ -210,17 +145,6 @@ def test_a_parameter_split_across_three_ranks_steps_correctly():
 
 MICRO = 2
 MAX_NORM = 0.05
-
-
-def backward_micro_batches(model: nn.Module, ddp: LayerwiseDataParallel | None, micro: list[torch.Tensor]) -> None:
-    """The mean loss over ``micro`` backward, one micro-batch at a time: through ``ddp`` with every backward but
-    the last inside ``no_sync``, or (``ddp`` None) through ``model`` alone."""
-    for i, part in enumerate(micro):
-        if ddp is not None and i < len(micro) - 1:
-            with ddp.no_sync():
-                (gpt_loss(ddp, part) / len(micro)).backward()
-        else:
-            (gpt_loss(ddp if ddp is not None else model, part) / len(micro)).backward()
 
 
 def _accumulate_step(model, ddp, opt, tokens, rank, world):

@@ -18,89 +18,11 @@ import torch
 from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
+from helpers import (MOE_GLOBAL_BATCH as GLOBAL_BATCH, MOE_SEQ as SEQ, MOE_STEPS as STEPS, MOE_VOCAB as VOCAB,
+                     NUM_EXPERTS, global_names, moe_batches as batches, moe_gpt, moe_loss as loss_fn,
+                     moe_optimizer as optimizer, moe_reference as reference, rel_err, train_moe, wrap_moe)
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise.experts import check_expert_marks, expert_parameter_names
-from lightning_layerwise.optim import Muon, elementwise_parameters, muon_param_groups
-
-STEPS = 10
-GLOBAL_BATCH = 8
-SEQ = 8
-VOCAB = 23
-NUM_EXPERTS = 4
-
-
-def moe_gpt(expert_parallel_size: int = 1, expert_rank: int = 0) -> nn.Module:
-    from examples.moe import MoEGPT
-
-    torch.manual_seed(0)  # every rank draws every expert's weights and keeps its own
-    return MoEGPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, num_experts=NUM_EXPERTS,
-                  top_k=2, expert_parallel_size=expert_parallel_size, expert_rank=expert_rank)
-
-
-def optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    if name == "sgd":  # AdamW and Muon are blind to a constant gradient scale; SGD checks the averaging rule
-        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    return Muon(muon_param_groups(model), lr=0.02, weight_decay=0.01, ns_dtype=torch.float32, adamw_lr=3e-3)
-
-
-def batches():
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
-
-
-def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
-def global_names(model: nn.Module, first_expert: int) -> dict[str, torch.Tensor]:
-    """Parameters by the name they have in the one-process model (local expert j is expert first + j)."""
-    def rename(name: str) -> str:
-        return re.sub(r"experts\.(\d+)\.", lambda m: f"experts.{first_expert + int(m.group(1))}.", name)
-
-    return {rename(n): p.detach().clone() for n, p in model.named_parameters()}
-
-
-@functools.cache
-def reference(opt_name: str, epochs_of_half: bool = False) -> dict[str, torch.Tensor]:
-    """One process holding every expert; ``epochs_of_half``: two epochs of the first STEPS // 2 batches."""
-    model = moe_gpt()
-    opt = optimizer(opt_name, model)
-    with reference_threads():
-        for tokens in (batches()[:STEPS // 2] * 2 if epochs_of_half else batches()):
-            opt.zero_grad()
-            loss_fn(model, tokens).backward()
-            opt.step()
-    return global_names(model, 0)
-
-
-def wrap_moe(groups: ProcessGroups, E: int, opt_name: str, bucket_size: int = 4096):
-    """This rank's MoE GPT (its experts of ``E``), its optimizer and the wrapper, as the strategy sets them up."""
-    model = moe_gpt(E, groups.expert_parallel_rank)
-    check_expert_marks(model, E)
-    model.set_expert_group(groups.expert_parallel)
-    opt = optimizer(opt_name, model)
-    experts = expert_parameter_names(model)
-    elementwise = elementwise_parameters(opt)
-    ddp = LayerwiseDataParallel(model, groups, bucket_size=bucket_size, prefetch_depth=1,
-                                expert=lambda n, p: n in experts, elementwise=lambda n, p: p in elementwise)
-    ddp.use_shards_in(opt)
-    return model, opt, ddp, experts
-
-
-def train_moe(ddp: LayerwiseDataParallel, opt: torch.optim.Optimizer, rank: int, world: int,
-              before_step=lambda: None) -> None:
-    """Every batch of :func:`batches`, this rank's rows of each; ``before_step`` runs at the start of each step."""
-    for tokens in batches():
-        before_step()
-        opt.zero_grad()
-        loss_fn(ddp, tokens.chunk(world)[rank]).backward()
-        ddp.finish_grad_sync()
-        opt.step()
-        ddp.start_param_sync()
-    ddp.finish_param_sync()
 
 
 def _worker(rank: int, world: int, E: int, opt_names: list[str], owner_group_size: int | None = None) -> dict:
@@ -122,10 +44,6 @@ def _worker(rank: int, world: int, E: int, opt_names: list[str], owner_group_siz
 def run(world: int, E: int, owner_group_size: int | None = None, late_ms: float | None = None) -> list[dict]:
     """``late_ms``: every collective up to that late (Note [late collectives] in collectives.py)."""
     return run_distributed(_worker, world, E, ["adamw", "muon", "sgd"], owner_group_size, late_ms=late_ms)
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.slow

@@ -85,9 +85,8 @@ from torch.utils.data import DataLoader
 import lightning_layerwise as llw
 from _dist import LATE_MS, reference_threads, run_distributed
 from lightning_layerwise.engine import grad_utils
-from test_ddp_patterns import trainer
-from test_elementwise_fill import batches, gpt, gpt_loss, optimizer
-from test_trainer import params_of, rel_err
+from helpers import (gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, params_of, rel_err,
+                     world_trainer as trainer)
 
 TOL = 1e-5
 

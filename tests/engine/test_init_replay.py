@@ -19,6 +19,7 @@ import yaml
 from torch import nn
 
 from _init_styles import InitZoo, NanoGPT, llama
+from helpers import RMSNorm
 from lightning_layerwise.engine import init_replay
 from lightning_layerwise.engine.init_record import record_init, recordings_of
 from lightning_layerwise.engine.init_replay import plan_replay
@@ -130,14 +131,6 @@ def test_an_init_overwritten_unread_only_draws():
     normal = [live for op, live in zip(ops, plan.live) if op.name == "aten.normal_"]
     assert uniform and not any(uniform), "every constructor init is overwritten by the apply"
     assert sum(normal) == len(roots) - sum(1 for n, _ in model.named_parameters() if "ln" in n or "bias" in n)
-
-
-class RMSNorm(nn.Module):
-    """A norm without ``reset_parameters`` (as Hugging Face's and most hand-written ones)."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
 
 
 class WithNorm(nn.Module):

@@ -20,7 +20,7 @@ from torch import nn
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-from _tiny import outcome
+from helpers import outcome
 from lightning_layerwise import LayerwiseDataParallel
 from lightning_layerwise.engine.process_groups import ProcessGroups
 

@@ -30,7 +30,8 @@ import torch
 
 from _dist import LATE_MS, reference_threads, run_distributed
 from _muon_family import (FamilyNet, ReferenceOptimizer, batches, loss_fn, moe_matrices, package_optimizer,
-                          reference_run, rel_err)
+                          reference_run)
+from helpers import rel_err
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups, QKClip, full_parameters
 from lightning_layerwise.optim import elementwise_parameters, orthogonalization
 from lightning_layerwise.optim.matrices import matrix_shapes, matrix_views

@@ -27,68 +27,15 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, reference_threads, run_distributed
+from helpers import (nothing_full, rel_err, sharded_batches as batches, sharded_loss as loss_of,
+                     sharded_model as make_model, sharded_optimizer as make_optimizer)
 from lightning_layerwise.engine import sharded
-from lightning_layerwise.engine.buffers import ParamState, is_allocated
-from test_data_parallel import Net
+from lightning_layerwise.engine.buffers import ParamState
 
 TOL = 1e-5
-STEPS = 10
-GLOBAL_BATCH = 12  # divisible by 2, 3 and 4; a rank's rows by its micro-batches (equal micro-batches)
-VOCAB, SEQ = 23, 5
-
-
-class AttentionNet(nn.Module):
-    """Reads parameters outside their modules' forward on purpose; its encoder layer is checkpointed."""
-
-    def __init__(self, d: int = 16, reentrant: bool = False):
-        super().__init__()
-        self.reentrant = reentrant
-        self.emb = nn.Embedding(VOCAB, d)
-        # No attention biases: the key bias's gradient is zero up to rounding, and AdamW scales that rounding up to
-        # full-size steps, so it would differ from one process by far more than 1e-5 with or without sharding.
-        self.attn = nn.MultiheadAttention(d, 2, batch_first=True, bias=False)
-        self.block = nn.TransformerEncoderLayer(d, 2, 24, dropout=0.0, batch_first=True, norm_first=True, bias=False)
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, idx):
-        penalty = 1e-3 * self.head.weight.square().sum()  # read before any module runs
-        h = self.emb(idx)
-        h = h + self.attn(h, h, h, need_weights=False)[0]
-        h = checkpoint(self.block, h, use_reentrant=self.reentrant)
-        return self.head(self.norm(h)), penalty
-
-
-def make_model(name: str):
-    torch.manual_seed(0)
-    return Net() if name == "net" else AttentionNet(reentrant=name == "attention-reentrant")
-
-
-def batches(name: str):
-    g = torch.Generator().manual_seed(1)
-    shape = (GLOBAL_BATCH,) if name == "net" else (GLOBAL_BATCH, SEQ)
-    for _ in range(STEPS):
-        idx = torch.randint(0, VOCAB, shape, generator=g)
-        yield idx, (idx * 7 + 3) % VOCAB
-
-
-def loss_of(model, idx, target):
-    out = model(idx)
-    logits, penalty = out if isinstance(out, tuple) else (out, 0.0)
-    return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)) + penalty
-
-
-def make_optimizer(name: str, model: nn.Module):
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return llw.Muon(llw.muon_param_groups(model), lr=0.02, weight_decay=0.01, ns_dtype=torch.float32,
-                    adamw_lr=1e-2)
 
 
 @functools.cache
@@ -104,16 +51,6 @@ def reference(model_name: str, opt_name: str, micro: int, clip: float | None) ->
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
-def nothing_full(wrapper) -> bool:
-    """No bucket's full parameters or full gradient buffer is held."""
-    return not any(b.param_state is not ParamState.FREED or is_allocated(b.param_data) or is_allocated(b.grad_data)
-                   for b in wrapper.buckets)
 
 
 def _train_worker(rank, world, model_name, opt_name, micro, no_sync, clip, options):
@@ -258,8 +195,8 @@ def _refused_worker(rank, world):
 def _experts_worker(rank, world, E, opt_name):
     from lightning_layerwise.experts import check_expert_marks, expert_parameter_names
     from lightning_layerwise.optim import elementwise_parameters
-    from test_experts import NUM_EXPERTS, batches as moe_batches, global_names, loss_fn as moe_loss, moe_gpt
-    from test_experts import optimizer as moe_optimizer
+    from helpers import NUM_EXPERTS, global_names, moe_batches, moe_gpt, moe_loss
+    from helpers import moe_optimizer
 
     groups = llw.ProcessGroups.create(expert_parallel_size=E)
     model = moe_gpt(E, groups.expert_parallel_rank)
@@ -289,7 +226,7 @@ def _experts_worker(rank, world, E, opt_name):
 def test_experts_sharded_in_their_expert_data_parallel_group_equal_one_process(opt_name, late):
     """``examples/moe.py``'s MoE GPT at E=2 on 4 ranks (experts skipped by ranks whose tokens miss them): the
     run equals one process holding every expert (10 steps), ranks holding the same experts bitwise."""
-    from test_experts import reference as moe_reference
+    from helpers import moe_reference
 
     expected = moe_reference(opt_name)
     results = run_distributed(_experts_worker, 4, 2, opt_name, late_ms=late)

@@ -17,7 +17,8 @@ import torch
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, run_distributed
-from test_sharded_parameters import batches, loss_of, make_model, make_optimizer
+from helpers import (sharded_batches as batches, sharded_loss as loss_of, sharded_model as make_model,
+                     sharded_optimizer as make_optimizer)
 
 
 def _one_rank_reads_worker(rank, world):

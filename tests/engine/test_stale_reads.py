@@ -32,186 +32,21 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.demos import Transformer
 from torch import nn
-from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_layerwise as llw
 from lightning_layerwise.engine import read_guard
-from _dist import LATE_MS, reference_threads, run_distributed
+from _dist import LATE_MS, run_distributed
+from helpers import (MLP, READ_CASES as CASES, READ_STEPS as STEPS, AttentionNet, local_part,
+                     read_batches as make_batches, read_loss as loss_of, read_optimizer as make_optimizer,
+                     read_reference as reference, rel_err)
 
 TOL = 1e-5
-STEPS = 4
 REPEATS = 2
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
-# --- models ------------------------------------------------------------------------------------------------------
-
-class AttentionBlock(nn.Module):
-    def __init__(self, d: int, hidden: int):
-        super().__init__()
-        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
-        self.ff = nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
-
-    def forward(self, h):
-        h = h + self.attn(h, h, h, need_weights=False)[0]
-        return h + self.ff(h)
-
-
-class AttentionNet(nn.Module):
-    """Hand-written blocks around ``nn.MultiheadAttention`` (which never calls ``out_proj``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(8, 16)
-        self.blocks = nn.ModuleList([AttentionBlock(16, 32), AttentionBlock(16, 32)])
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-class ParentReadsChild(nn.Module):
-    """The parent uses ``child.proj``'s weight and bias directly; ``child`` is never called.
-
-    ``child`` is registered last, so at 2 ranks its bias lands in the last bucket.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(8, 16)
-        self.mid = nn.Linear(16, 16)
-        self.head = nn.Linear(20, 3)
-        self.child = nn.Module()
-        self.child.proj = nn.Linear(16, 20)
-
-    def forward(self, x):
-        h = self.mid(self.emb(x)).tanh()
-        h = F.linear(h, self.child.proj.weight, self.child.proj.bias).tanh()
-        return self.head(h)
-
-
-class Symmetric(nn.Module):
-    def forward(self, w):
-        return w.triu() + w.triu(1).transpose(0, 1)
-
-
-class Parametrized(nn.Module):
-    """A weight computed by a parametrization from ``parametrizations.weight.original``."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(8, 16)
-        self.sym = nn.Linear(16, 16)
-        parametrize.register_parametrization(self.sym, "weight", Symmetric())
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x):
-        return self.head(self.sym(self.emb(x)).tanh())
-
-
-class MLP(nn.Module):
-    """Calls every module it uses: the pre-hooks alone keep it correct, strict mode stays silent."""
-
-    def __init__(self):
-        super().__init__()
-        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
-
-    def forward(self, x):
-        return self.layers(x)
-
-
-def example_gpt():
-    from examples.gpt import GPT, GPTConfig
-
-    return GPT(GPTConfig(vocab_size=11, n_layer=2, n_head=2, n_embd=16, block_size=16))
-
-
-def demo_transformer():
-    return Transformer(vocab_size=33, ninp=32, nhead=2, nhid=64, nlayers=2, dropout=0.0)
-
-
-# case -> (model factory, bucket size, L2 penalty before the forward, parameter strict mode must name)
-CASES = {
-    "transformer_default": (demo_transformer, None, False, None),
-    "transformer_512": (demo_transformer, 512, False, "out_proj"),
-    "transformer_1024": (demo_transformer, 1024, False, None),
-    "attention": (AttentionNet, 64, False, "blocks.0.attn.out_proj"),
-    "parent_reads_child": (ParentReadsChild, 64, False, "child.proj"),
-    "parametrize": (Parametrized, 64, False, None),
-    "l2_before_forward": (MLP, 64, True, "layers"),
-    "mlp": (MLP, 64, False, None),
-    "example_gpt": (example_gpt, 256, False, None),
-}
 CLEAN = ("mlp", "example_gpt")  # call every module they use: strict mode stays silent
-
-
-def make_batches(case: str, world: int, steps: int):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(steps):
-        if case.startswith("transformer"):
-            tokens = torch.randint(0, 33, (6, 7), generator=g)
-            out.append(((tokens, (tokens * 5 + 1) % 33), (tokens * 5 + 2) % 33))
-        elif case == "example_gpt":
-            tokens = torch.randint(0, 11, (6, 16), generator=g)
-            out.append(((tokens,), (tokens * 3 + 1) % 11))
-        else:
-            x = torch.randn(6, 5, 8, generator=g)
-            out.append(((x,), torch.randn(6, 5, 3, generator=g)))
-    return out
-
-
-def loss_of(case: str, model: nn.Module, inputs, target, penalty: bool):
-    reg = sum(p.square().sum() for p in model.parameters()) * 1e-3 if penalty else None  # before the forward
-    out = model(*inputs)
-    if case.startswith("transformer"):
-        loss = F.nll_loss(out, target.reshape(-1))
-    elif case == "example_gpt":
-        loss = F.cross_entropy(out[0].flatten(0, 1), target.reshape(-1))
-    else:
-        loss = F.mse_loss(out, target)
-    return loss if reg is None else loss + reg, reg
-
-
-def local_part(batch, rank: int, world: int):
-    inputs, target = batch
-    return tuple(t.chunk(world)[rank] for t in inputs), target.chunk(world)[rank]
-
-
-def make_optimizer(params):
-    # SGD, not Adam: the key bias of attention has a gradient that is zero in exact arithmetic, and
-    # Adam would scale its rounding noise up to +-lr, which no two summation orders agree on.
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-@functools.cache
-def reference(case: str, world: int):
-    with reference_threads():
-        return _reference_run(case, world)
-
-
-def _reference_run(case: str, world: int):
-    factory, _, penalty, _ = CASES[case]
-    torch.manual_seed(0)
-    model = factory()
-    opt = make_optimizer(model.parameters())
-    regs = []
-    for inputs, target in make_batches(case, world, STEPS):
-        opt.zero_grad()
-        loss, reg = loss_of(case, model, inputs, target, penalty)
-        loss.backward()
-        opt.step()
-        regs.append(None if reg is None else reg.item())
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, regs
 
 
 def _wrapper_worker(rank, world, cases, guard, bypass_guard=False):

@@ -25,7 +25,6 @@ import inspect
 import math
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,11 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import lightning_layerwise as llw
+from _dist import free_port as _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
-# tests/ and its folders, as pyproject.toml puts them on pytest's path: a child imports test modules by name.
-TEST_DIRS = [TESTS, *sorted(p for p in TESTS.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))]
+# tests/ (helpers.py, _dist.py), as pyproject.toml puts it on pytest's path, and this folder, which pytest puts there
+# for its test modules: a child imports a test module of this folder, and this module, by name.
+TEST_DIRS = [TESTS, TESTS / "gpu"]
 TOL = 1e-5
 CHILD_TIMEOUT = 900  # seconds; the compiled fits compile four or five times
 
@@ -104,12 +105,6 @@ def _child_main(request: str, reply: str) -> None:
             dist.destroy_process_group()
     with open(reply, "wb") as f:
         pickle.dump(result, f)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init_nccl_world1(tmp: str, bind_device: bool = False) -> None:

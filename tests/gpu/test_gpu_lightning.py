@@ -239,7 +239,7 @@ FABRIC_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 def _fabric_gpu_child(tmp: str, precision: str, compiled: bool = False) -> dict:
     from lightning.fabric import Fabric
-    from test_elementwise_fill import batches, gpt, gpt_loss
+    from helpers import gpt, gpt_batches as batches, gpt_loss
 
     _init_nccl_world1(tmp)
     out = {}

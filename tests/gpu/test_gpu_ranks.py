@@ -36,7 +36,7 @@ MULTI_WORLD = 4
 
 
 def _gloo_cuda_worker(rank: int, world: int, tmp: str, owner_group_size, opt_names: list[str]) -> None:
-    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
+    from helpers import gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, snapshot, wrap_gpt as wrap
 
     out = {}
     with gloo_over_cuda(tmp, f"ranks_{owner_group_size}", rank, world):
@@ -59,7 +59,7 @@ def _gloo_cuda_worker(rank: int, world: int, tmp: str, owner_group_size, opt_nam
 
 
 def _gloo_cuda_child(tmp: str, owner_group_size) -> dict:
-    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
+    from helpers import gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, snapshot
 
     names = ["adamw", "muon", "sgd"]
     reference = {}
@@ -107,7 +107,7 @@ def _filtered(model) -> list:
 
 
 def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
-    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot, wrap
+    from helpers import gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, snapshot, wrap_gpt as wrap
 
     out = {"norms": [], "markers": 0}
     # A hand-built wrapper's loop holds the patched gradient utilities (Note [gradient utilities]).
@@ -145,7 +145,7 @@ def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
 
 
 def _gloo_cuda_clip_child(tmp: str) -> dict:
-    from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, snapshot
+    from helpers import gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, snapshot
 
     model = gpt().cuda()
     opt = optimizer("sgd", model)

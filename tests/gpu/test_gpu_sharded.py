@@ -34,7 +34,8 @@ WORLD = 4
 
 def _sharded_worker(rank: int, world: int, tmp: str, opt_name: str, owner_group_size) -> None:
     import lightning_layerwise as llw
-    from test_sharded_parameters import batches, loss_of, make_model, make_optimizer, nothing_full
+    from helpers import (nothing_full, sharded_batches as batches, sharded_loss as loss_of,
+                         sharded_model as make_model, sharded_optimizer as make_optimizer)
 
     tag = f"sharded_{opt_name}_{owner_group_size}"
     with gloo_over_cuda(tmp, tag, rank, world):
@@ -64,7 +65,8 @@ def _sharded_worker(rank: int, world: int, tmp: str, opt_name: str, owner_group_
 
 
 def _sharded_child(tmp: str, opt_name: str, owner_group_size) -> dict:
-    from test_sharded_parameters import batches, loss_of, make_model, make_optimizer
+    from helpers import (sharded_batches as batches, sharded_loss as loss_of, sharded_model as make_model,
+                         sharded_optimizer as make_optimizer)
 
     model = make_model("attention").cuda()
     optimizer = make_optimizer(opt_name, model)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from _dist import LATE_MS, reference_threads, run_distributed
-from test_elementwise_fill import backward_micro_batches, gpt_loss
+from helpers import backward_micro_batches, gpt_loss, rel_err, snapshot
 from lightning_layerwise import LayerwiseDataParallel, ProcessGroups
 from lightning_layerwise.engine.clip import clip_grad_norm_
 from lightning_layerwise.layout import ALIGNMENT, ParamSpec, plan_layout, share_among_replicas
@@ -214,14 +214,6 @@ def batches():
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
-
-
 class CountNewtonSchulz:
     """Counts the matrices this process orthogonalizes, per optimizer step, by wrapping the one function every
     Newton–Schulz of ``lightning_layerwise.Muon`` goes through (batched or not)."""
@@ -375,7 +367,7 @@ def test_late_collectives_change_no_bit_at_six_ranks_as_three_groups_of_two():
 
 
 def _expert_worker(rank: int, world: int, E: int, g: int, ge: int | None, bucket_size: int = 4096) -> dict:
-    from test_experts import NUM_EXPERTS, global_names, train_moe, wrap_moe
+    from helpers import NUM_EXPERTS, global_names, train_moe, wrap_moe
 
     groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=g, expert_owner_group_size=ge)
     model, opt, ddp, experts = wrap_moe(groups, E, "muon", bucket_size)
@@ -405,8 +397,8 @@ def test_experts_and_shared_dense_groups_orthogonalize_each_matrix_once(ge, buck
     the expert had not issued, while that one waited in the token all-to-all: this case hung (killed after
     200 s). The layer's pre-hook (Note [conditional experts] in engine/data_parallel.py) and the prefetch that
     never blocks (Note [cross-group gathers] in engine/param_sync.py) each prevent it."""
-    from test_experts import batches as moe_batches, global_names, loss_fn, moe_gpt
-    from test_experts import optimizer as moe_optimizer
+    from helpers import global_names, moe_batches, moe_gpt, moe_loss as loss_fn
+    from helpers import moe_optimizer
 
     results = run_distributed(_expert_worker, 4, 2, 2, ge, bucket_size, timeout=480.0)
     assert all(r["replicas"] == 2 and r["expert_replicas"] == (2 if ge == 1 else 1) for r in results)

@@ -52,8 +52,8 @@ from torch.utils.data import DataLoader
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-from test_elementwise_fill import batches, gpt, gpt_loss
-from test_trainer import Core, dataset, params_of, rel_err
+from helpers import (Core, dataset, gpt, gpt_batches as batches, gpt_loss, params_of, rel_err,
+                     world_trainer as trainer)
 
 TOL = 1e-5
 MUON_TOL = 1e-4
@@ -68,14 +68,6 @@ def late(run: str):
 
 def layerwise():
     return llw.LayerwiseStrategy(bucket_size=BUCKET)
-
-
-def trainer(strategy, root, **kwargs) -> L.Trainer:
-    options = dict(accelerator="cpu", devices=torch.distributed.get_world_size(), strategy=strategy, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   num_sanity_val_steps=0, default_root_dir=root, max_epochs=1)
-    options.update(kwargs)
-    return L.Trainer(**options)
 
 
 def loader() -> DataLoader:

@@ -24,11 +24,9 @@ from torch import nn
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, counting_compiler, reference_threads, run_distributed
-from test_elementwise_fill import batches, gpt, gpt_loss, optimizer, rel_err, snapshot
-from test_stale_reads import CASES as READ_CASES
-from test_stale_reads import STEPS as READ_STEPS
-from test_stale_reads import local_part, loss_of, make_batches, make_optimizer
-from test_stale_reads import reference as read_reference
+from helpers import (READ_CASES, READ_STEPS, gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer,
+                     local_part, read_batches as make_batches, read_loss as loss_of, read_optimizer as make_optimizer,
+                     read_reference, rel_err, snapshot)
 
 STEPS = 10
 MICRO = 2
@@ -609,19 +607,19 @@ def test_16_mixed_agrees_on_the_loss_scale_across_ranks():
 
 
 def _moe_worker(rank, world, E, opt_name, steps, save=None, load=None):
-    import test_experts as X
+    import helpers as X
 
     fabric = make_fabric(world, bucket_size=4096, expert_parallel_size=E)
     expert_rank = fabric.strategy.expert_parallel_rank  # known before set-up: build only these experts
     model = X.moe_gpt(E, expert_rank)
-    model, opt = fabric.setup(model, X.optimizer(opt_name, model))
+    model, opt = fabric.setup(model, X.moe_optimizer(opt_name, model))
     model.set_expert_group(fabric.strategy.process_groups.expert_parallel)
     state = {"model": model, "optimizer": opt, "step": 0}
     if load is not None:
         fabric.load(load, state)
-    for tokens in X.batches()[state["step"]:steps]:
+    for tokens in X.moe_batches()[state["step"]:steps]:
         opt.zero_grad()
-        fabric.backward(X.loss_fn(model, tokens.chunk(world)[rank]))
+        fabric.backward(X.moe_loss(model, tokens.chunk(world)[rank]))
         opt.step()
         state["step"] += 1
     if save is not None:
@@ -633,9 +631,9 @@ def _moe_worker(rank, world, E, opt_name, steps, save=None, load=None):
 
 
 def _assert_moe_equal(results, opt_name):
-    import test_experts as X
+    import helpers as X
 
-    want = X.reference(opt_name)
+    want = X.moe_reference(opt_name)
     for rank, params in enumerate(results):
         for name, value in params.items():
             assert rel_err(value, want[name]) <= TOL, (opt_name, rank, name, rel_err(value, want[name]))
@@ -719,11 +717,11 @@ def test_a_compiled_model_compiles_once_under_fabric():
 
 
 def _moe_full_load_worker(rank, world, path):
-    import test_experts as X
+    import helpers as X
 
     fabric = make_fabric(world, bucket_size=4096, expert_parallel_size=2)
     model = X.moe_gpt(2, fabric.strategy.expert_parallel_rank)
-    model, opt = fabric.setup(model, X.optimizer("adamw", model))
+    model, opt = fabric.setup(model, X.moe_optimizer("adamw", model))
     try:
         fabric.load(path, {"model": model})
     except Exception as e:  # noqa: BLE001 - the message is what is tested
@@ -735,7 +733,7 @@ def _moe_full_load_worker(rank, world, path):
 
 @pytest.mark.slow
 def test_a_full_file_at_expert_parallel_size_two_is_refused(tmp_path):
-    import test_experts as X
+    import helpers as X
 
     path = str(tmp_path / "full.pt")
     torch.save({"model": X.moe_gpt().state_dict()}, path)  # every expert, under global names

@@ -49,8 +49,8 @@ import pytest
 from torch import nn
 
 from _dist import free_port, run_distributed
-from _tiny import Tiny, batches, outcome, trainer
-from test_launch import ROOT, SCRIPT, clean_env
+from helpers import (LAUNCH_SCRIPT as SCRIPT, ROOT, Tiny, clean_env, outcome, tiny_batches as batches,
+                     tiny_trainer as trainer)
 
 
 DEADLINE_S = 120  # from the launch to the exit of every process

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_layerwise as llw
 from _dist import reference_threads, run_distributed
 from examples.gpt import GPT, GPTConfig
-from test_trainer import Core, dataset, params_of, rel_err
+from helpers import Core, dataset, params_of, rel_err
 
 TOL = 1e-5
 N, GLOBAL_BATCH, EPOCHS, BUCKET = 24, 6, 3, 128

@@ -21,19 +21,8 @@ import pytest
 import torch
 
 from _dist import free_port
-from _tiny import Tiny, batches, trainer
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "tests" / "launch_script.py")
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "PL_")) and k not in
-           ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-            "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
-    return env
+from helpers import (LAUNCH_SCRIPT as SCRIPT, ROOT, Tiny, clean_env, tiny_batches as batches,
+                     tiny_trainer as trainer)
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 240) -> None:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_layerwise as llw
 from _dist import run_distributed
 from _init_styles import SEQ, VOCAB, NanoGPT, llama
+from helpers import RMSNorm
 
 SEED = 7
 
@@ -44,15 +45,6 @@ class LanguageModel(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 class Unsupported(nn.Module):

@@ -31,8 +31,7 @@ from torch import nn
 
 import lightning_layerwise as llw
 from _dist import run_distributed
-from _tiny import Tiny, batches, trainer
-from test_trainer import WORLD, Regressor, loaders
+from helpers import WORLD, Regressor, Tiny, loaders, tiny_batches as batches, tiny_trainer as trainer
 
 
 # --- skip_nonfinite_steps ----------------------------------------------------------------------------------------

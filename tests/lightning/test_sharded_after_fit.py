@@ -3,9 +3,9 @@
 
 The run goes on after ``fit``: every bucket stays sharded and the gradient shards are freed, so the end of
 ``fit`` gathers nothing (a rank never holds the whole model there). On that module, in the same worker as a
-``ddp`` run of the same model and data (``test_sharded_trainer.py``'s ``TinyLM``: tied embedding,
-``nn.MultiheadAttention``, a penalty read before the forward), and compared with it (fp32, relative error
-<= 1e-5):
+``ddp`` run of the same model and data (``TinyLM`` of ``tests/helpers.py``, as in ``test_sharded_trainer.py``:
+tied embedding, ``nn.MultiheadAttention``, a penalty read before the forward), and compared with it (fp32,
+relative error <= 1e-5):
 
 * a read outside the rules raises ``ShardedParameterReadError`` on every rank, naming ``llw.release(model)``;
 * ``trainer.validate`` on the same Trainer runs on the sharded run and gives ``ddp``'s loss, also after a
@@ -28,7 +28,7 @@ import torch
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, run_distributed
-from test_sharded_trainer import STEPS, TinyLM, loader, rel_err
+from helpers import TINY_LM_STEPS as STEPS, TinyLM, rel_err, tiny_lm_loader as loader
 
 TOL = 1e-5
 

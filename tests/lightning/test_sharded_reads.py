@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, reference_threads, run_distributed
+from helpers import rel_err
 from lightning_layerwise.engine.buffers import ParamState
 
 VOCAB, SEQ, D = 23, 5, 16
@@ -139,10 +140,6 @@ def _hang_worker(rank, world):
     llw.release(model)  # the run goes on after fit: ended here, every parameter whole
     return {n: p.detach().clone() for n, p in model.named_parameters()}, model.norms, probe.most_full, \
         probe.left_full, probe.buckets
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.slow

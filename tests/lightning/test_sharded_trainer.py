@@ -9,7 +9,8 @@ tied to the output layer, ``nn.MultiheadAttention`` inside ``nn.TransformerEncod
 before the forward (a penalty). Cases: AdamW at 2 ranks; Muon at 3 with accumulation and clipping by norm;
 AdamW at 4 with non-reentrant activation checkpointing; Muon at 2 under ``bf16-mixed``; AdamW at 2 with
 each block ``torch.compile``d (``aot_eager``: dynamo and AOTAutograd, no C compiler needed); and the
-parameters after ``trainer.fit`` and ``llw.release`` own their storage again. Each eager case runs under the timing fuzzer too.
+parameters after ``trainer.fit`` and ``llw.release`` own their storage again. Each eager case runs under the
+timing fuzzer too. The model (``TinyLM``) and its data are in ``tests/helpers.py``.
 Also: ``bf16-true`` (float32 masters of the shard) against the unsharded run, and a model built in
 ``trainer.init_module(empty_init=True)`` (on the meta device, materialized by the strategy) against ``ddp`` from
 the same start.
@@ -20,63 +21,10 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, run_distributed
-
-VOCAB, SEQ, D = 29, 6, 16
-GLOBAL_BATCH = 12
-STEPS = 10
-
-
-class TinyLM(L.LightningModule):
-    def __init__(self, optimizer: str = "adamw", activation_checkpointing: bool = False,
-                 compile_blocks: str | None = None):
-        super().__init__()
-        self.optimizer_name, self.activation_checkpointing = optimizer, activation_checkpointing
-        torch.manual_seed(0)
-        self.wte = nn.Embedding(VOCAB, D)
-        # no attention biases: the key bias's gradient is zero up to rounding, which AdamW scales to full steps
-        self.blocks = nn.ModuleList(nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True,
-                                                               norm_first=True, bias=False) for _ in range(2))
-        if compile_blocks is not None:  # torch.compile of each block, as users compile transformer blocks
-            self.blocks = nn.ModuleList(torch.compile(b, backend=compile_blocks) for b in self.blocks)
-        self.norm = nn.LayerNorm(D)
-        self.unused = nn.Linear(3, 3)
-        self.head = nn.Linear(D, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx):
-        h = self.wte(idx)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False) if self.activation_checkpointing else block(h)
-        return self.head(self.norm(h))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        penalty = 1e-3 * self.blocks[0].linear1.weight.square().sum()  # read before the forward
-        loss = F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)) + penalty
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1)), sync_dist=True)
-
-    def configure_optimizers(self):
-        if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        return llw.Muon(llw.muon_param_groups(self), lr=0.02, adamw_lr=1e-2, ns_dtype=torch.float32)
-
-
-def loader(world: int, accumulate: int) -> DataLoader:
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(0, VOCAB, (GLOBAL_BATCH * STEPS * accumulate, SEQ), generator=g)
-    return DataLoader(TensorDataset(x, (x * 5 + 1) % VOCAB), batch_size=GLOBAL_BATCH // world)
+from helpers import TINY_LM_STEPS as STEPS, TinyLM, rel_err, tiny_lm_loader as loader
 
 
 class Probe(L.Callback):
@@ -124,10 +72,6 @@ CASES = {
     "muon-2-bf16-mixed": (2, {"optimizer": "muon"}, {"precision": "bf16-mixed"}),
     "adamw-2-compiled-blocks": (2, {"optimizer": "adamw", "compile_blocks": "aot_eager"}, {}),
 }
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 # Every case now and under the timing fuzzer; the compiled one (15 s a run, compiling) now only: its collectives

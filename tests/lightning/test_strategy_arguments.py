@@ -29,7 +29,7 @@ import torch
 import lightning_layerwise as llw
 from _dist import run_distributed
 from lightning_layerwise.config import SETTINGS, LayerwiseConfig
-from test_trainer import Regressor, loaders
+from helpers import Regressor, loaders
 
 
 # --- LayerwiseConfig ---------------------------------------------------------------------------------------------

@@ -39,58 +39,16 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins import Precision
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import lightning_layerwise as llw
 from _dist import counting_compiler, reference_threads, run_distributed
+from helpers import WORLD, Core, Regressor, dataset, loaders, params_of, rel_err
 
-WORLD = 2
 TOL = 1e-5
 
 
 # --- the strategy on a small regressor ------------------------------------------------------------------------------
-
-
-class Regressor(L.LightningModule):
-    def __init__(self, optimizer: str = "adamw", inf_on_rank: int | None = None, inf_at_step: int = 1):
-        super().__init__()
-        self.optimizer_name = optimizer
-        self.inf_on_rank, self.inf_at_step = inf_on_rank, inf_at_step
-        torch.manual_seed(0)
-        self.emb = nn.Linear(7, 24)
-        self.body = nn.Sequential(nn.Linear(24, 33), nn.GELU(), nn.LayerNorm(33), nn.Linear(33, 24))
-        self.head = nn.Linear(24, 3)
-
-    def forward(self, x):
-        h = self.emb(x)
-        return self.head(h + self.body(h))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        if self.inf_on_rank == self.global_rank and self.global_step == self.inf_at_step:
-            # An inf gradient for one parameter only: after the reduce-scatter only its owner sees it.
-            loss = loss + self.head.bias.sum() * float("inf")
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
-
-    def configure_optimizers(self):
-        if self.optimizer_name == "adamw":
-            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-        groups = llw.muon_param_groups(self)
-        return llw.Muon(groups, lr=0.02, adamw_lr=1e-2, ns_dtype=torch.float32)
-
-
-def loaders(n: int = 64, batch_size: int = 4):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 7, generator=g)
-    y = torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin(), x[:, 3:].sum(1)], dim=1)
-    data = TensorDataset(x, y)
-    return DataLoader(data, batch_size=batch_size), DataLoader(data, batch_size=8)
 
 
 def fit(strategy, model_kwargs, trainer_kwargs):
@@ -444,19 +402,6 @@ def test_two_owner_groups_of_two_equal_ddp_with_accumulation_and_clipping(optimi
 # --- Lightning Trainer features: model, data, trainer -------------------------------------------------------------
 
 
-class Core(nn.Module):
-    def __init__(self, norm: str = "layer"):
-        super().__init__()
-        self.emb = nn.Linear(7, 24)
-        norm_layer = nn.LayerNorm(33) if norm == "layer" else nn.BatchNorm1d(33)
-        self.body = nn.Sequential(nn.Linear(24, 33), nn.GELU(), norm_layer, nn.Linear(33, 24))
-        self.head = nn.Linear(24, 3)
-
-    def forward(self, x):
-        h = self.emb(x)
-        return self.head(h + self.body(h))
-
-
 class Net(L.LightningModule):
     """A small regressor; options select the feature under test."""
 
@@ -518,13 +463,6 @@ class Net(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def dataset(n: int, seed: int = 1) -> TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 7, generator=g)
-    y = torch.stack([x[:, 0] * x[:, 1], x[:, 2].sin(), x[:, 3:].sum(1)], dim=1)
-    return TensorDataset(x, y)
-
-
 def train_loader(n: int = 32, batch_size: int = 4) -> DataLoader:
     """Sequential (no shuffle): with the distributed sampler every epoch shows each rank the same batches."""
     return DataLoader(dataset(n), batch_size=batch_size)
@@ -538,17 +476,8 @@ def make_trainer(strategy, root: str, **kwargs) -> L.Trainer:
     return L.Trainer(**options)
 
 
-def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters by name (a torch.compile'd submodule's ``_orig_mod.`` left out of the names)."""
-    return {n.replace("_orig_mod.", ""): p.detach().clone() for n, p in module.named_parameters()}
-
-
 def state_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n.replace("_orig_mod.", ""): t.detach().clone() for n, t in module.state_dict().items()}
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 def assert_close_dicts(actual: dict, expected: dict, tol: float = TOL, what: str = "") -> None:

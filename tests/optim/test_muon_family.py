@@ -27,7 +27,8 @@ from torch import nn
 import lightning_layerwise as llw
 from _dist import reference_threads
 from _muon_family import (HD, FamilyNet, attention, batches, loss_fn, package_optimizer, reference_run,
-                          rel_err, train_one_process)
+                          train_one_process)
+from helpers import rel_err
 from lightning_layerwise.optim import (MatrixView, describe_param_groups, matrix_shapes, max_attention_logits,
                                        muon_param_groups)
 

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from _dist import LATE_MS, run_distributed
-from test_experts import NUM_EXPERTS, batches, global_names, loss_fn, moe_gpt, optimizer, reference, rel_err
+from helpers import (NUM_EXPERTS, global_names, moe_batches as batches, moe_gpt, moe_loss as loss_fn,
+                     moe_optimizer as optimizer, moe_reference as reference, rel_err)
 
 import lightning_layerwise as llw
 from lightning_layerwise import session as session_module

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from _dist import reference_threads, run_distributed
+from helpers import rel_err
 from examples.gpt import GPT, GPTConfig
 from examples.torch_train import make_optimizer, text_batches, train
 
@@ -54,10 +55,6 @@ def reference(name):
             norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0).item())
             opt.step()
     return {n: p.detach().clone() for n, p in m.named_parameters()}, norms
-
-
-def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.slow
