@@ -290,7 +290,7 @@ class LayerwiseDataParallel(nn.Module):
             self.param_sync = ShardedParameterSync(
                 gather_order, self._param_names, self._waiter, stepped_whole=self.grad_sync.stepped_whole,
                 prefetch_depth=prefetch_depth, reshard_after_forward=reshard_after_forward,
-                read_guard=param_read_guard, on_backward=_weakly(self._backward_started), write_back=_weakly(self._write_back_pieces))
+                read_guard=param_read_guard, on_backward=self._backward_started, write_back=self._write_back_pieces)
         else:
             self.param_sync = ParameterSync(
                 gather_order, self._param_names, self._waiter,
@@ -349,8 +349,8 @@ class LayerwiseDataParallel(nn.Module):
             self._buckets, self._flat_buffers, self._param_names, grad_views, owned, split, pieces, self._waiter,
             groups=self.process_groups, layout_group=self.layout_group, experts=self.expert_names,
             expert_parallel_size=self.expert_parallel_size, overlap_grad_reduce=overlap_grad_reduce,
-            before_reduce=_weakly(self.finish_param_sync), sharded=self.shard_parameters, stepped_slots=stepped_slots,
-            on_backward=_weakly(self._backward_started), grads_done=_weakly(self._grads_done),
+            before_reduce=self.finish_param_sync, sharded=self.shard_parameters, stepped_slots=stepped_slots,
+            on_backward=self._backward_started, grads_done=self._grads_done,
             reduces_in_flight=self.prefetch_depth)
 
     def _materialize_device(self, device: torch.device | None) -> torch.device:
@@ -1029,18 +1029,6 @@ class LayerwiseDataParallel(nn.Module):
             self._registered = []
             self.ended_by = None
         return self.module
-
-
-def _weakly(method: Callable) -> Callable:
-    """``method`` (bound to the wrapper) for its parts to call back, holding the wrapper weakly: parts that held
-    it strongly would make a cycle, and a released wrapper's buffers (the model's size) would stay until the
-    interpreter's next full collection."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args, **kwargs):
-        return ref()(*args, **kwargs)
-
-    return call
 
 
 def _unheld(p: nn.Parameter, failed: bool) -> torch.Tensor:

@@ -518,7 +518,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             self._keep_sharded(wrapper)
             return
         if wrapper is not None:
-            self.model = self.lightning_module  # before the release, which frees the wrapper's buffers
+            self.model = self.lightning_module  # no reference left to the wrapper: the release frees its buffers
+        wrapper = None
         self.session.release()
         module = self.lightning_module
         # A model refused on the meta device (Note [meta-device models]) stays there: Lightning's move to the CPU

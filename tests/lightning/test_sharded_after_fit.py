@@ -17,10 +17,13 @@ relative error <= 1e-5):
 * a second ``fit`` by a new Trainer ends the first run (the module whole again) and trains on from there;
 * ``llw.release(model)`` gives every parameter back whole, in its own storage.
 
-Now and under the timing fuzzer.
+Now and under the timing fuzzer. Also: without sharding, the run's buffers go when ``fit`` returns.
 """
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import lightning as L
 import pytest
@@ -131,3 +134,30 @@ def test_fit_leaves_the_module_sharded_and_each_use_afterwards_equals_ddp(tmp_pa
         assert torch.equal(p, trained[n]), n
     assert max(rel_err(results[0]["ddp"]["second_fit"][n], results[0]["ddp"]["fit"][n])
                for n in trained if n != "unused.weight") > 1e-3, "the second fit trained on"
+
+
+class _KeepWeakly(L.Callback):
+    """A weak reference to the strategy's wrapper, taken while it trains."""
+
+    def on_train_end(self, trainer, pl_module):
+        self.wrapper = weakref.ref(trainer.strategy.session.wrapper)
+
+
+def _freed_worker(rank, world):
+    keep = _KeepWeakly()
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[keep],
+                        strategy=llw.LayerwiseStrategy(bucket_size=3000))
+    gc.disable()  # only what the release itself frees counts
+    try:
+        trainer.fit(TinyLM("adamw"), loader(world, 1))
+        return keep.wrapper() is None
+    finally:
+        gc.enable()
+
+
+def test_an_unsharded_run_frees_its_buffers_when_fit_returns():
+    """Without sharding ``fit`` ends the run: the wrapper and its flat buffers (the model's and the gradients'
+    size) go when it returns, not at the interpreter's next garbage collection (the wrapper and its parts refer
+    to each other)."""
+    assert all(run_distributed(_freed_worker, 2))
