@@ -11,7 +11,8 @@ import os as _os
 
 from .config import LayerwiseConfig
 from .engine.clip import clip_grad_norm_, clip_grad_value_, grad_norm
-from .engine.data_parallel import LayerwiseDataParallel, ReplicaDivergenceError, full_parameters
+from .engine.data_parallel import LayerwiseDataParallel, full_parameters
+from .engine.replica_check import ReplicaDivergenceError
 from .engine.split_gradient import SplitGradient, SplitGradientError
 from .engine.grad_utils import GradientUtilities, gradient_utilities
 from .engine.process_groups import ProcessGroups

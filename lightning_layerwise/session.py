@@ -93,7 +93,9 @@ from torch.optim import Optimizer
 from .engine.clip import clip_grad_norm_, clip_grad_value_
 from .config import DTYPES, LayerwiseConfig
 from .engine.grad_utils import gradient_utilities
-from .engine.data_parallel import LayerwiseDataParallel, layout_specs, reject_sparse_gradients, wrappers_of
+from .engine.data_parallel import LayerwiseDataParallel, wrappers_of
+from .engine.module_checks import reject_sparse_gradients
+from .engine.wrapper_setup import layout_specs
 from .experts import check_expert_marks, expert_key_map, expert_parameter_names
 from .checkpoint.checkpoints import SessionCheckpoints
 from .checkpoint.formats import Checkpoint

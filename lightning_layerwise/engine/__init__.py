@@ -6,8 +6,10 @@ reduce-scatter, what each rank steps; its per-parameter records in ``grad_record
 parameter's ``.grad`` marker in ``split_gradient``), the parameter side (``param_sync``: all-gathers
 overlapped with the forward, and the ``read_guard`` that keeps every read current; with
 sharded parameters ``sharded``: when each bucket is gathered and freed), the
-wrapper that composes them (``data_parallel``), global-norm clipping (``clip``, its reductions
-in ``clip_reductions``) and the scoped patches that make torch's gradient utilities see through
-the sharding (``grad_utils``, which find the wrapper behind a tensor in ``live_wrappers``).
+wrapper that composes them (``data_parallel``; its set-up in ``wrapper_setup`` and ``sharded_init``,
+the checks of the wrapped module in ``module_checks``, the ``replica_check``, and its ``release``),
+global-norm clipping (``clip``, its reductions in ``clip_reductions``) and the scoped patches that
+make torch's gradient utilities see through the sharding (``grad_utils``, which find the wrapper
+behind a tensor in ``live_wrappers``).
 Nothing here imports Lightning.
 """

@@ -1,4 +1,6 @@
-"""Sharded parameters of a model built on the meta device: each parameter published as soon as its value is final.
+"""The shards of sharded parameters, built at set-up: bucket by bucket for a model built on its device
+(:func:`shard_bucket_by_bucket`), each parameter as soon as its value is final for one built on the meta device
+(:func:`materialize_sharded`).
 
 Note [publishing parameters one by one]
     While a meta-device model is materialized (Note [meta-device models] in ``materialize.py``), each layout
@@ -15,13 +17,64 @@ Note [publishing parameters one by one]
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 from torch import nn
 
 from . import collectives
-from .buffers import Bucket, cut_shard, view_of
+from .buffers import Bucket, FlatBuffer, allocate_shards, cut_shard, is_dense_permutation, single_device, view_of
+from .materialize import materialize
+from .process_groups import ProcessGroups
+from ..layout import Layout
+
+Dtypes = list[tuple[torch.dtype, torch.dtype]]
+"""Each layout buffer's parameter and gradient dtypes."""
+
+
+def shard_bucket_by_bucket(layout: Layout, buckets: list[Bucket], dtypes: Dtypes, named: dict[str, nn.Parameter],
+                           names: list[str], stepped: set[str], groups: ProcessGroups) -> list[FlatBuffer]:
+    """Sharded parameters of a model built on its device: each bucket is filled from its parameters ``names``,
+    broadcast from the first rank of its group (so every replica holds the same values), cut to this rank's shard
+    and freed in turn, so a rank holds the model as built plus one bucket (Note [sharded parameters] in
+    ``engine/buffers.py``). ``stepped``: the parameters this rank steps whole. Returns the shards' buffers."""
+    device = single_device([named[n] for n in names], "the trainable parameters")
+    relaid = [n for n in names if not named[n].is_contiguous() and not is_dense_permutation(named[n])]
+    if relaid:
+        warnings.warn(f"parameters {relaid[:3]} have strides with gaps or overlaps; strategy='layerwise' keeps "
+                      "them contiguous in its buffers (Note [memory format]).", stacklevel=5)
+    plans = [bp for plan in layout.buffers for bp in plan.buckets]  # build_buckets' order
+    sharded = allocate_shards(layout, buckets, dtypes, device)
+    with torch.no_grad():
+        for bucket, bp in zip(buckets, plans):
+            full = torch.zeros(bp.numel, dtype=dtypes[bucket.buffer][0], device=device)
+            for name in bp.params:
+                p, slot = named[name], layout.params[name]
+                view_of(full, slot, like=p, offset=slot.offset - bp.start).copy_(p.detach())
+            collectives.broadcast_tensors([full], groups.expert_dp if bucket.expert else groups.dp)
+            cut_shard(bucket, bp, layout, named, stepped, full)  # the parameters' own memory goes
+    return sharded
+
+
+def materialize_sharded(module: nn.Module, layout: Layout, buckets: list[Bucket], dtypes: Dtypes,
+                        named: dict[str, nn.Parameter], stepped: set[str], device: torch.device,
+                        groups: ProcessGroups) -> tuple[list[FlatBuffer], dict[int, nn.Parameter]]:
+    """A meta-device model with sharded parameters (Note [meta-device models] in ``engine/materialize.py``):
+    each parameter is published into the shards as soon as its value is final, and each bucket pointed at its
+    shard once complete (Note [publishing parameters one by one]). Returns the buffers of the shards and the
+    replaced parameters (``id`` of each meta parameter -> the parameter that replaced it)."""
+    plans = [bp for plan in layout.buffers for bp in plan.buckets]  # build_buckets' order
+    sharded = allocate_shards(layout, buckets, dtypes, device)
+    publisher = ParameterPublisher(
+        layout, buckets, {id(b): bp for b, bp in zip(buckets, plans)}, {id(p): n for n, p in named.items()},
+        [d for d, _ in dtypes], stepped, device,
+        group_of=lambda bucket: groups.expert_dp if bucket.expert else groups.dp)
+    replaced = materialize(module, device, publisher.final, publisher.memory_for)
+    publisher.check_complete()
+    for bucket in buckets:
+        bucket.params = [replaced.get(id(p), p) for p in bucket.params]
+    return sharded, replaced
 
 
 class ParameterPublisher:

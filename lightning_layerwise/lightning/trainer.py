@@ -135,7 +135,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             world size and bucket size; see docs/checkpointing.md.
         replica_check_every: every this many optimizer steps, check right after the
             all-gather that all ranks hold bitwise-equal parameters (one all-gather of one
-            checksum per bucket; Note [replica check] in ``engine/data_parallel.py``) and stop
+            checksum per bucket; Note [replica check] in ``engine/replica_check.py``) and stop
             with :class:`ReplicaDivergenceError`, naming the bucket and parameters, if
             not. ``None`` (default): never.
         skip_nonfinite_steps: skip the optimizer step on every rank when any rank's

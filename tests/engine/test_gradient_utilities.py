@@ -19,7 +19,7 @@ Under ``ddp`` every parameter that received a gradient has a ``.grad``, so loops
 with ``[p for p in model.parameters() if p.grad is not None]``. Under ``layerwise`` with element-wise
 fill (the default) a rank holds the reduced gradient only of what it steps, and a split parameter's
 gradient exists on no rank whole: its ``.grad`` is a marker, ``llw.SplitGradient`` (Note [split
-gradients] in ``lightning_layerwise/engine/data_parallel.py``), so the filter keeps it as ``ddp``'s does, and a
+gradients] in ``lightning_layerwise/engine/split_gradient.py``), so the filter keeps it as ``ddp``'s does, and a
 list that differs across ranks in any other way raises (Note [parameter lists] in ``engine/clip.py``).
 
 Each worker trains the tied-embedding GPT of ``test_elementwise_fill.py`` (buckets of 512 elements:

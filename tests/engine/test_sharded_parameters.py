@@ -240,7 +240,7 @@ def test_experts_sharded_in_their_expert_data_parallel_group_equal_one_process(o
 def test_a_model_that_does_not_fit_on_its_gpu_at_the_end_is_released_to_cpu_memory(monkeypatch):
     """Note [sharded release]: the module's parameters go back to a CUDA device only when its free memory holds
     them all; otherwise to CPU memory, with a warning naming the bytes. (The decision only: no GPU here.)"""
-    from lightning_layerwise.engine.data_parallel import _release_device
+    from lightning_layerwise.engine.release import _release_device
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * 2**30, 80 * 2**30))

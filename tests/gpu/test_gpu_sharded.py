@@ -101,7 +101,7 @@ def test_sharded_parameters_on_cuda_match_one_process(opt_name, owner_group_size
 
 def _release_child(tmp: str) -> dict:
     """The decision of Note [sharded release] against the real free memory of the GPU."""
-    from lightning_layerwise.engine.data_parallel import _release_device
+    from lightning_layerwise.engine.release import _release_device
 
     device = torch.device("cuda", 0)
     free, _ = torch.cuda.mem_get_info(device)

@@ -241,7 +241,7 @@ def test_a_mark_through_the_module_survives_a_deep_copy():
 
 def test_the_layout_costs_each_matrix_of_a_view():
     """The planner balances Newton-Schulz work: a stack or blocks cost the sum over their matrices."""
-    from lightning_layerwise.engine.data_parallel import layout_specs
+    from lightning_layerwise.engine.wrapper_setup import layout_specs
     from lightning_layerwise.layout import newton_schulz_cost
 
     specs = {s.name: s for s in layout_specs(FamilyNet())}

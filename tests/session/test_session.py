@@ -22,8 +22,8 @@ from helpers import (NUM_EXPERTS, global_names, moe_batches as batches, moe_gpt,
 
 import lightning_layerwise as llw
 from lightning_layerwise import session as session_module
-from lightning_layerwise.engine import data_parallel
-from lightning_layerwise.engine.data_parallel import layout_specs
+from lightning_layerwise.engine import wrapper_setup
+from lightning_layerwise.engine.wrapper_setup import layout_specs
 from lightning_layerwise.layout import plan_layout
 
 TOL = 1e-5  # float32 sums in another order over 10 steps (as tests/engine/test_experts.py)
@@ -42,7 +42,7 @@ def _plan_once_worker(rank: int, world: int, E: int, opt_name: str) -> dict:
         raise AssertionError("the wrapper planned the layout again")
 
     session_module.choose_owner_group_size = recording_choose
-    data_parallel.plan_layout = no_second_plan
+    wrapper_setup.plan_layout = no_second_plan
     # Two "nodes" of two ranks: owner_group_size="auto" plans to choose (Note [choosing the owner group size]).
     env = dataclasses.replace(llw.SessionEnv.from_torch(), ranks_per_node=2)
     session = llw.LayerwiseSession(llw.LayerwiseConfig(bucket_size=4096, prefetch_depth=1, owner_group_size="auto",
