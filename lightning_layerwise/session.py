@@ -76,7 +76,6 @@ Note [sharded saves]
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import logging
 import os
@@ -706,12 +705,6 @@ class LayerwiseSession:
                     raise
             self.groups = None
         self._board = self._agreement = None
-        if wrapper is not None and not failing:
-            # The wrapper and its parts refer to each other (callbacks): without a collection now their buffers,
-            # the model's and its gradients' size, stay until the interpreter's next one. After a failure they
-            # stay on purpose: a group with a collective left in flight blocks in its destructor.
-            wrapper = None
-            gc.collect()
         return module
 
 

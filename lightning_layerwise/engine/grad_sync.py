@@ -272,9 +272,12 @@ class GradientSync:
                 shard.data = shard.data.clone()  # no longer a view of the freed buffer
         self._units, self._unit_of, self._stepped_apart, self._carry = [], {}, {}, []
         self._grads_handed_out = False
-        if wait:
+        if wait:  # the wrapper's callbacks go: no cycle keeps its buffers (after a failure, see Note [sharded release])
+            self._before_reduce = self._on_backward = self._grads_done = lambda *_: None
             self.parameter_lists.resolve_votes()  # a disagreement raises after the rest is released
         self.parameter_lists.discard_votes()
+        if wait:
+            self.parameter_lists = None  # it calls back into this side
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -369,6 +369,7 @@ class ShardedParameterSync:
         """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""
         if wait:
             self.finish()
+            self._on_backward = self._write_back = lambda: None  # the wrapper's callbacks go: no cycle keeps it
         self._in_flight = []
 
     # --- the backward (Note [when a bucket is full]) -----------------------------------------------------------
