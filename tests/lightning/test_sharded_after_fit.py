@@ -137,10 +137,12 @@ def test_fit_leaves_the_module_sharded_and_each_use_afterwards_equals_ddp(tmp_pa
 
 
 class _KeepWeakly(L.Callback):
-    """A weak reference to the strategy's wrapper, taken while it trains."""
+    """Weak references to the strategy's wrapper and its two sides (which hold the buffers), taken while it
+    trains."""
 
     def on_train_end(self, trainer, pl_module):
-        self.wrapper = weakref.ref(trainer.strategy.session.wrapper)
+        wrapper = trainer.strategy.session.wrapper
+        self.refs = [weakref.ref(x) for x in (wrapper, wrapper.grad_sync, wrapper.param_sync)]
 
 
 def _freed_worker(rank, world):
@@ -151,13 +153,14 @@ def _freed_worker(rank, world):
     gc.disable()  # only what the release itself frees counts
     try:
         trainer.fit(TinyLM("adamw"), loader(world, 1))
-        return keep.wrapper() is None
+        return [ref() is None for ref in keep.refs]
     finally:
         gc.enable()
 
 
 def test_an_unsharded_run_frees_its_buffers_when_fit_returns():
-    """Without sharding ``fit`` ends the run: the wrapper and its flat buffers (the model's and the gradients'
-    size) go when it returns, not at the interpreter's next garbage collection (the wrapper and its parts refer
-    to each other)."""
-    assert all(run_distributed(_freed_worker, 2))
+    """Without sharding ``fit`` ends the run: the wrapper and its two sides, which hold the flat buffers (the
+    model's and the gradients' size), go when it returns, not at the interpreter's next garbage collection (they
+    call each other back)."""
+    for rank, gone in enumerate(run_distributed(_freed_worker, 2)):
+        assert all(gone), (rank, "wrapper, gradient side, parameter side still alive:", gone)
