@@ -198,6 +198,9 @@ class Bucket:
     """Sharded parameters: this rank's shard of the reduced gradient, a tensor of its own storage: allocated
     (zeroed) at the bucket's first reduction after the gradients were dropped, freed when they are dropped
     (Note [sharded gradients] in ``engine/grad_sync.py``)."""
+    taken_grad: torch.Tensor | None = None
+    """Sharded parameters, a bucket that is one parameter: autograd's gradient of it, flat, taken as the full
+    gradient buffer in place of ``grad_data`` (:meth:`take_grad`) until its reduction is folded in."""
 
     @property
     def sharded(self) -> bool:
@@ -250,13 +253,13 @@ class Bucket:
         """Dispatches the reduce-scatter of the gradients into this rank's shard, averaged (Note [averaging] in
         ``engine/collectives.py``)."""
         self._move("grad_state", (GradState.ACCUMULATING,), GradState.REDUCING)
-        self.reduce = collectives.reduce_scatter_bucket(self.grad_data, self.group, async_op=True, average=True)
+        self.reduce = collectives.reduce_scatter_bucket(self.full_grad, self.group, async_op=True, average=True)
 
     def start_replica_reduce(self) -> None:
         """With replica sharing, after the owner group's reduce-scatter landed: its mean averaged over the owner
         groups into the chunk this rank steps (Note [replica sharing] in ``layout/sharing.py``)."""
         begin, end = self.shard
-        self.reduce = collectives.reduce_scatter_chunks(self.grad_data[begin:end], self.chunks, self.replica_group,
+        self.reduce = collectives.reduce_scatter_chunks(self.full_grad[begin:end], self.chunks, self.replica_group,
                                                         async_op=True, average=True)
 
     def finish_reduce(self) -> None:
@@ -269,11 +272,37 @@ class Bucket:
         """The gradients were dropped: the shard's storage is freed until the next reduction lands in it."""
         free(self.grad_shard)
 
+    @property
+    def full_grad(self) -> torch.Tensor:
+        """The full gradient buffer a backward fills: :attr:`taken_grad` where one was taken, else ``grad_data``."""
+        return self.taken_grad if self.taken_grad is not None else self.grad_data
+
     def ensure_grad_buffer(self) -> None:
         """Allocates the full gradient buffer, zeroed, unless it is held."""
-        if not is_allocated(self.grad_data):
+        if self.taken_grad is None and not is_allocated(self.grad_data):
             allocate(self.grad_data)
             self.grad_data.zero_()
+
+    def take_grad(self, grad: torch.Tensor) -> bool:
+        """Sharded parameters: where this bucket is exactly one parameter and its full buffer is not held, autograd's
+        gradient ``grad`` becomes that buffer, reduced in place, so a backward neither allocates the buffer nor
+        copies into it (Note [sharded gradients] in ``engine/grad_sync.py``); a later gradient of this backward is
+        added into it. False where the gradient must be added into ``grad_data``: it holds local sums (``no_sync``),
+        the bucket holds more (other parameters, padding), or ``grad`` differs in dtype or layout."""
+        if self.taken_grad is not None:
+            self.taken_grad.add_(grad.detach().reshape(-1))
+            return True
+        if (len(self.params) != 1 or is_allocated(self.grad_data) or grad.numel() != self.grad_data.numel()
+                or grad.dtype != self.grad_data.dtype or grad.device != self.grad_data.device
+                or grad.requires_grad or grad._is_view() or not grad.is_contiguous()):
+            return False
+        self.taken_grad = grad.view(-1)
+        return True
+
+    def drop_full_grad(self) -> None:
+        """Frees the full gradient buffer, or lets go of the gradient taken in its place."""
+        self.taken_grad = None
+        free(self.grad_data)
 
     def fold_reduce(self) -> None:
         """The reduce-scatter landed (the caller waited for :attr:`reduce`, and with replica sharing for the
@@ -282,8 +311,8 @@ class Bucket:
         self._move("grad_state", (GradState.REDUCING,), GradState.REDUCED)
         self.reduce = None
         begin, end = self.stepped_range
-        self.stepped_grad().add_(self.grad_data[begin:end])
-        free(self.grad_data)
+        self.stepped_grad().add_(self.full_grad[begin:end])
+        self.drop_full_grad()
 
     def share_chunks(self) -> None:
         """With replica sharing, after the step: every rank's shard gets the chunks its replicas stepped (Note
@@ -347,7 +376,7 @@ class Bucket:
         """Forgets every collective in flight (after a failed one: waiting would raise its error again). Sharded
         parameters whose all-gather did not land are left freed: nothing of them is held here."""
         lost = self.sharded and (self.param_state is ParamState.GATHERING or not is_allocated(self.param_data))
-        self.gather = self.reduce = self.replica_gather = None
+        self.gather = self.reduce = self.replica_gather = self.taken_grad = None
         self.param_state = ParamState.FREED if lost else ParamState.READY
         self.grad_state = GradState.ACCUMULATING
 

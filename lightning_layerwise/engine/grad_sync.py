@@ -82,24 +82,22 @@ Note [gradient lifecycle]
     its local gradient of that parameter, so the reduction stays consistent.
 
 Note [sharded gradients]
-    With sharded parameters (Note [sharded parameters] in ``engine/buffers.py``) a bucket's
-    full gradient buffer exists only while it is needed: the first gradient of a backward
-    to reach the bucket allocates it (zeroed), the hook adds each gradient into it (the copy
-    path: autograd's own ``.grad`` is dropped at once, as there is no slot to accumulate into
-    beforehand), and the reduce-scatter averages it in place; this rank's shard of the mean
-    is then *added* into the bucket's gradient shard and the full buffer freed. The gradient
-    shard has storage of its own per bucket: freed when the gradients are dropped (a backward
-    after ``zero_grad``, gradients carried aside first), allocated zeroed when the bucket's
-    first reduction lands, so a backward holds the shards of the buckets reduced so far,
-    as FSDP2's per-parameter sharded gradients. At most
-    ``prefetch_depth`` reduce-scatters are in flight, so at most that many full gradient
-    buffers wait for the network. Every reducing backward reduces every bucket by its end (a
-    callback autograd's engine runs when the backward ends), so micro-batches accumulated
-    without ``no_sync`` each send their gradients and add into the shard: the shard holds
-    the sum of the means, as ``ddp``'s buffer would. Inside ``no_sync`` the full buffers
-    instead keep the local sum until the reducing backward, trading memory for bytes as
-    FSDP2 does. What the optimizer reads (owned parameters' ``.grad``, pieces, norms, the
-    finite check) lies in the shard, so the hand-out is unchanged.
+    With sharded parameters (Note [sharded parameters] in ``engine/buffers.py``) a bucket's full gradient buffer
+    exists only while it is needed: the first gradient of a backward to reach the bucket allocates it (zeroed), the
+    hook adds each gradient into it (the copy path: autograd's own ``.grad`` is dropped at once, as there is no slot
+    to accumulate into beforehand), and the reduce-scatter averages it in place. A bucket that is one parameter
+    exactly takes autograd's gradient itself as that buffer (``Bucket.take_grad``; autograd stores a gradient no one
+    else holds, or a copy, and the hook drops its ``.grad``), so nothing is allocated or copied. This rank's shard
+    of the mean is then *added* into the bucket's gradient shard and the full buffer freed. The gradient shard has
+    storage of its own per bucket: freed when the gradients are dropped (a backward after ``zero_grad``, gradients
+    carried aside first), allocated zeroed when the bucket's first reduction lands, so a backward holds the shards
+    of the buckets reduced so far, as FSDP2's per-parameter sharded gradients. At most ``prefetch_depth``
+    reduce-scatters are in flight, so at most that many full gradient buffers wait for the network. Every reducing
+    backward reduces every bucket by its end (a callback autograd's engine runs when the backward ends), so
+    micro-batches accumulated without ``no_sync`` each send their gradients and add into the shard: the shard holds
+    the sum of the means, as ``ddp``'s buffer would. Inside ``no_sync`` the full buffers instead keep the local sum
+    until the reducing backward, trading memory for bytes as FSDP2 does. What the optimizer reads (owned parameters'
+    ``.grad``, pieces, norms, the finite check) lies in the shard, so the hand-out is unchanged.
 
 Note [replica reduce in backward]
     With owner groups (Note [replica sharing] in ``layout/sharing.py``) a bucket's gradient
@@ -354,7 +352,7 @@ class GradientSync:
         for b in self._buckets:
             b.restart()
             if self.sharded:
-                free(b.grad_data)
+                b.drop_full_grad()
                 b.drop_grad_shard()  # carried values are in self._carry, added back after the reduction
         self._reducing, self._unreduced, self._flushed = [], False, False
         self._next_reduce = 0
@@ -453,9 +451,10 @@ class GradientSync:
                 self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
             if rec.split_flag is not None:
                 rec.split_flag.fill_(1.0)
-        if self.sharded:  # Note [sharded gradients]
-            bucket.ensure_grad_buffer()
+        if self.sharded:  # Note [sharded gradients]: autograd's gradient may be the full buffer itself
             self._unreduced = True
+            in_place = self._micro_batch_is_last and bucket.take_grad(grad)
+            bucket.ensure_grad_buffer()
         if not in_place:
             view = rec.view
             if rec.assigned:

@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 import lightning_layerwise as llw
-from _dist import run_distributed
+from _dist import LATE_MS, reference_threads, run_distributed
 from benchmarks.bench_backward_memory import _peak_during  # the CPU allocator's record, as measured there
 from _init_styles import NanoGPT
-from lightning_layerwise.engine import sharded
+from helpers import nothing_full, rel_err
+from lightning_layerwise.engine import buffers, sharded
 from lightning_layerwise.engine.buffers import Bucket, is_allocated
 from lightning_layerwise.engine.init_record import record_init, recordings_of
 from lightning_layerwise.engine.init_replay import plan_replay
@@ -63,7 +64,7 @@ def held_bytes(model: nn.Module, wrapper, optimizer) -> int:
         for piece in wrapper.grad_sync.pieces.values():
             tensors += [piece, piece.grad]
         for b in wrapper.buckets:
-            tensors += [b.param_data, b.grad_data, b.param_shard, b.grad_shard]
+            tensors += [b.param_data, b.grad_data, b.taken_grad, b.param_shard, b.grad_shard]
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
@@ -437,3 +438,84 @@ def test_default_settings_hold_the_running_module_and_the_prefetch(mutation):
         assert not over, over[:4]
     else:
         assert over, f"{mutation}: stayed within the bound: the test cannot fail"
+
+
+# --- a bucket that is one parameter (Note [sharded gradients] in engine/grad_sync.py) ---------------------------------
+
+def _taken_model() -> nn.Module:
+    torch.manual_seed(0)  # with 4096-element buckets: bias-free matrices in buckets of their own, and one that holds three
+    return nn.Sequential(nn.Linear(16, 64, bias=False), nn.Tanh(), nn.Linear(64, 64, bias=False), nn.Tanh(),
+                         nn.Linear(64, 64, bias=False), nn.Tanh(), nn.Linear(64, 10))
+
+
+def _taken_batches():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(3)]
+
+
+# per step: micro-batches, and whether the earlier ones accumulate inside no_sync (their sums stay in the buffer)
+TAKEN_STEPS = [(1, False), (2, False), (2, True)]
+
+
+def _taken_reference() -> dict[str, torch.Tensor]:
+    model = _taken_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with reference_threads():
+        for (x, y), (micro, _) in zip(_taken_batches(), TAKEN_STEPS):
+            optimizer.zero_grad()
+            for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+                (nn.functional.cross_entropy(model(xs), ys) / micro).backward()
+            optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _taken_worker(rank, world, mutation):
+    if mutation == "copy":
+        Bucket.take_grad = lambda self, grad: False
+    allocated = []  # storages of full gradient buffers allocated, by step
+    real_allocate = buffers.allocate
+    buffers.allocate = lambda t: (allocated[-1].add(t.untyped_storage()._cdata), real_allocate(t))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=4096))
+    model = _taken_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wrapped = session.wrap(model, optimizer)
+    single = [b for b in wrapped.buckets if len(b.params) == 1 and b.params[0].numel() == b.grad_data.numel()]
+    shapes = [[tuple(p.shape) for p in b.params] for b in wrapped.buckets]
+    emptied = True
+    for (x, y), (micro, quiet) in zip(_taken_batches(), TAKEN_STEPS):
+        allocated.append(set())
+        optimizer.zero_grad()
+        xs, ys = x.chunk(world)[rank].chunk(micro), y.chunk(world)[rank].chunk(micro)
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            with wrapped.no_sync() if quiet and i < micro - 1 else torch.enable_grad():
+                session.backward(nn.functional.cross_entropy(wrapped(xm), ym) / micro)
+            emptied &= (quiet and i < micro - 1) or nothing_full(wrapped)
+        session.step(optimizer)
+    session.sync_parameters()
+    buffers.allocate = real_allocate
+    with llw.full_parameters(model):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    session.release()
+    own = [[any(b.grad_data.untyped_storage()._cdata in step for b in single)] for step in allocated]
+    return params, len(single), shapes, [o[0] for o in own], emptied
+
+
+@pytest.mark.parametrize("late", [None, LATE_MS], ids=["now", "late"])
+@pytest.mark.parametrize("mutation", [None, "copy"])
+def test_a_bucket_that_is_one_parameter_reduces_autograds_gradient_in_place(mutation, late):
+    """A bucket that is exactly one parameter allocates no full gradient buffer in a reducing backward: autograd's
+    gradient is reduced in place, also when micro-batches each reduce; after micro-batches accumulated inside
+    ``no_sync`` the local sums in the buffer are used. Values equal one process (AdamW, 2 ranks, fp32), also with
+    collectives late. A wrapper that copies every gradient into an allocated buffer fails."""
+    expected = _taken_reference()
+    for rank, (params, n_single, shapes, own_buffer, emptied) in enumerate(
+            run_distributed(_taken_worker, 2, mutation, late_ms=late)):
+        assert n_single >= 2 and any(len(params) > 1 for params in shapes), shapes  # both paths run
+        assert emptied, f"rank {rank}: a full gradient buffer or a taken gradient outlived its backward"
+        for n, ref in expected.items():
+            assert rel_err(params[n], ref) <= 1e-5, (rank, n, rel_err(params[n], ref))
+        assert own_buffer[2], "the no_sync step accumulates its local sums in the bucket's own buffer"
+        if mutation is None:
+            assert own_buffer[:2] == [False, False], f"rank {rank}: a reducing backward allocated a full buffer"
+        else:
+            assert own_buffer[:2] == [True, True], "the copy path went unnoticed: the test cannot fail"
