@@ -277,9 +277,13 @@ class Bucket:
         """The full gradient buffer a backward fills: :attr:`taken_grad` where one was taken, else ``grad_data``."""
         return self.taken_grad if self.taken_grad is not None else self.grad_data
 
+    @property
+    def full_grad_held(self) -> bool:
+        return self.taken_grad is not None or is_allocated(self.grad_data)
+
     def ensure_grad_buffer(self) -> None:
         """Allocates the full gradient buffer, zeroed, unless it is held."""
-        if self.taken_grad is None and not is_allocated(self.grad_data):
+        if not self.full_grad_held:
             allocate(self.grad_data)
             self.grad_data.zero_()
 

@@ -91,30 +91,27 @@ Note [sharded gradients]
     of the mean is then *added* into the bucket's gradient shard and the full buffer freed. The gradient shard has
     storage of its own per bucket: freed when the gradients are dropped (a backward after ``zero_grad``, gradients
     carried aside first), allocated zeroed when the bucket's first reduction lands, so a backward holds the shards
-    of the buckets reduced so far, as FSDP2's per-parameter sharded gradients. At most ``prefetch_depth``
-    reduce-scatters are in flight, so at most that many full gradient buffers wait for the network. Every reducing
-    backward reduces every bucket by its end (a callback autograd's engine runs when the backward ends), so
-    micro-batches accumulated without ``no_sync`` each send their gradients and add into the shard: the shard holds
-    the sum of the means, as ``ddp``'s buffer would. Inside ``no_sync`` the full buffers instead keep the local sum
-    until the reducing backward, trading memory for bytes as FSDP2 does. What the optimizer reads (owned parameters'
-    ``.grad``, pieces, norms, the finite check) lies in the shard, so the hand-out is unchanged.
+    of the buckets reduced so far, as FSDP2's per-parameter sharded gradients. At most ``prefetch_depth`` full
+    gradient buffers exist at once, filling or in flight: before a bucket's buffer is allocated, the oldest
+    reduce-scatter in flight is waited for and folded in, so it overlaps the computation of the gradient whose
+    arrival waits for it. Every reducing backward reduces every bucket by its end (a callback autograd's engine runs
+    when the backward ends), so micro-batches accumulated without ``no_sync`` each send their gradients and add into
+    the shard: the shard holds the sum of the means, as ``ddp``'s buffer would. Inside ``no_sync`` the full buffers
+    instead keep the local sum until the reducing backward, trading memory for bytes as FSDP2 does. What the
+    optimizer reads (owned parameters' ``.grad``, pieces, norms, the finite check) lies in the shard, so the
+    hand-out is unchanged.
 
 Note [replica reduce in backward]
-    With owner groups (Note [replica sharing] in ``layout/sharing.py``) a bucket's gradient
-    is reduced twice: inside its owner group (a reduce-scatter), then across the groups
-    to the replica that steps it, or into equal chunks (Note [uneven chunks] in
-    ``engine/collectives.py``).
-    The second used to wait for the end of the backward, all of it exposed on the slowest
-    link. Now, whenever a bucket's in-group reduce-scatter is dispatched, the cross-group
-    reduce of every earlier bucket with chunks is issued, behind that bucket's own
-    reduce-scatter: the backward goes on computing while the groups exchange, and the end
-    of the backward issues only the last bucket's. The point of issue is a fixed place in
-    the order of dispatches, the same on every rank, so every communicator sees its
-    operations in one global order (as NCCL requires of ranks using several
-    communicators). The cross-group reduce needs the in-group result: on CPU the host
-    waits for that reduce-scatter, dispatched one bucket earlier; on a GPU the wait and
-    the issue happen on a side stream, so the stream the backward computes on never waits
-    for them.
+    With owner groups (Note [replica sharing] in ``layout/sharing.py``) a bucket's gradient is reduced twice: inside
+    its owner group (a reduce-scatter), then across the groups to the replica that steps it, or into equal chunks
+    (Note [uneven chunks] in ``engine/collectives.py``). Whenever a bucket's in-group reduce-scatter is dispatched,
+    the cross-group reduce of every earlier bucket with chunks is issued, behind that bucket's own reduce-scatter:
+    the backward goes on computing while the groups exchange, and the end of the backward issues only the last
+    bucket's. The point of issue is a fixed place in the order of dispatches, the same on every rank, so every
+    communicator sees its operations in one global order (as NCCL requires of ranks using several communicators).
+    The cross-group reduce needs the in-group result: on CPU the host waits for that reduce-scatter, dispatched one
+    bucket earlier; on a GPU the wait and the issue happen on a side stream, so the stream the backward computes on
+    never waits for them.
 """
 
 from __future__ import annotations
@@ -159,7 +156,7 @@ class GradientSync:
             rank steps whole its slot of the bucket's gradient shard, ``on_backward`` is called at every
             gradient's arrival (the wrapper queues its end-of-backward callback), ``grads_done`` with a bucket
             whose parameters all received their gradient in a reducing backward, and at most
-            ``reduces_in_flight`` reduce-scatters (each holding a full gradient buffer) are in flight.
+            ``reduces_in_flight`` full gradient buffers exist at once (filling or in flight).
     """
 
     def __init__(self, buckets: list[Bucket], flat_buffers: list, names: dict[nn.Parameter, str],
@@ -454,7 +451,9 @@ class GradientSync:
         if self.sharded:  # Note [sharded gradients]: autograd's gradient may be the full buffer itself
             self._unreduced = True
             in_place = self._micro_batch_is_last and bucket.take_grad(grad)
-            bucket.ensure_grad_buffer()
+            if not bucket.full_grad_held:  # a new full buffer: the oldest in flight is folded in first
+                self._fold_beyond(self._reduces_in_flight - 1)
+                bucket.ensure_grad_buffer()
         if not in_place:
             view = rec.view
             if rec.assigned:
@@ -486,8 +485,7 @@ class GradientSync:
 
     def _dispatch_reduce(self, bucket: Bucket) -> None:
         if self.sharded:
-            while len(self._reducing) >= self._reduces_in_flight:  # each holds a full gradient buffer
-                self._fold(self._reducing[0])
+            self._fold_beyond(self._reduces_in_flight - 1)  # each holds a full gradient buffer
             bucket.ensure_grad_buffer()  # a bucket no gradient reached here still takes part
         bucket.start_reduce()
         self.waiter.trace("rs_dispatch", bucket)
@@ -517,6 +515,10 @@ class GradientSync:
             self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
         bucket.fold_reduce()
         self._reducing.remove(bucket)
+
+    def _fold_beyond(self, limit: int) -> None:
+        while len(self._reducing) > limit:
+            self._fold(self._reducing[0])
 
     def _flush(self) -> None:
         """Reduce-scatters every bucket not yet reduced in this backward, in order, and folds every one in."""

@@ -32,6 +32,7 @@ from _init_styles import NanoGPT
 from helpers import nothing_full, rel_err
 from lightning_layerwise.engine import buffers, sharded
 from lightning_layerwise.engine.buffers import Bucket, is_allocated
+from lightning_layerwise.engine.grad_sync import GradientSync
 from lightning_layerwise.engine.init_record import record_init, recordings_of
 from lightning_layerwise.engine.init_replay import plan_replay
 from lightning_layerwise.engine.sharded_init import ParameterPublisher
@@ -519,3 +520,44 @@ def test_a_bucket_that_is_one_parameter_reduces_autograds_gradient_in_place(muta
             assert own_buffer[:2] == [False, False], f"rank {rank}: a reducing backward allocated a full buffer"
         else:
             assert own_buffer[:2] == [True, True], "the copy path went unnoticed: the test cannot fail"
+
+
+def _full_grads_worker(rank, world, mutation):
+    if mutation == "fold-at-dispatch":  # a new buffer no longer waits for the reduce-scatter in flight
+        dispatch, fold_beyond = GradientSync._dispatch_reduce, GradientSync._fold_beyond
+
+        def dispatching(self, bucket):
+            self.dispatching = True
+            dispatch(self, bucket)
+            self.dispatching = False
+        GradientSync._dispatch_reduce = dispatching
+        GradientSync._fold_beyond = lambda self, limit: fold_beyond(self, limit) if self.dispatching else None
+        GradientSync.dispatching = False
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True))  # defaults: prefetch_depth 1
+    model = WideStack()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapped = session.wrap(model, optimizer)
+    held = []
+    for p in model.parameters():  # after the wrapper's own hook, which took the gradient or added it in
+        p.register_post_accumulate_grad_hook(lambda p: held.append(sum(b.full_grad_held for b in wrapped.buckets)))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2):
+        optimizer.zero_grad()
+        session.backward(wrapped(torch.randn(4, 1024, generator=g)).square().mean())
+        session.step(optimizer)
+    return max(held), wrapped.prefetch_depth, len(wrapped.buckets)
+
+
+@pytest.mark.parametrize("mutation", [None, "fold-at-dispatch"])
+def test_a_backward_holds_at_most_prefetch_depth_full_gradient_buffers(mutation):
+    """At default settings, at every gradient's arrival, at most ``prefetch_depth`` full gradient buffers exist,
+    the one filling included: a bucket's buffer is allocated only after the oldest reduce-scatter in flight was
+    folded in. A wrapper that limits only what is in flight at dispatch holds one more."""
+    results = run_distributed(_full_grads_worker, WORLD, mutation)
+    most = max(r[0] for r in results)
+    depth, n_buckets = results[0][1], results[0][2]
+    assert depth == 1 and n_buckets >= 6
+    if mutation is None:
+        assert most <= depth, f"{most} full gradient buffers held at once"
+    else:
+        assert most > depth, "the old limit held no more: the test cannot fail"
