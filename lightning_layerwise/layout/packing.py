@@ -132,7 +132,6 @@ import contextlib
 import gc
 import heapq
 import math
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import islice
@@ -187,7 +186,7 @@ def _without_cycle_collection():
 
 def plan_layout(
     specs: Iterable[ParamSpec],
-    group_size: int | None = None,
+    group_size: int,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     cost: Callable[[ParamSpec], float] = newton_schulz_cost,
     expert_dp: int | None = None,
@@ -195,7 +194,6 @@ def plan_layout(
     expert_replicas: int = 1,
     *,
     follow_layers: bool = False,
-    dp: int | None = None,
 ) -> Layout:
     """Plans buffers, buckets, shards and owners for ``specs`` given in registration order, for an owner group of
     ``group_size`` ranks (the whole data-parallel group without owner groups).
@@ -208,16 +206,7 @@ def plan_layout(
     ``replicas``: the data-parallel group has ``group_size * replicas`` ranks, and the dense buffers' stepping
     is shared among the ``replicas`` owner groups (:func:`share_among_replicas`); ``expert_replicas``: the
     same for the expert buffers, ``expert_dp`` then being an owner group of the expert data-parallel group.
-    ``dp``: the former name of ``group_size``.
     """
-    if dp is not None:
-        if group_size is not None:
-            raise TypeError("plan_layout() got both group_size and dp (its former name); pass group_size only.")
-        warnings.warn("plan_layout(dp=...) is now plan_layout(group_size=...): the ranks the plan is made for.",
-                      DeprecationWarning, stacklevel=2)
-        group_size = dp
-    if group_size is None:
-        raise TypeError("plan_layout() needs group_size: the ranks the plan is made for.")
     with _without_cycle_collection():
         return _plan_layout(list(specs), group_size, bucket_size, cost, expert_dp, replicas, expert_replicas,
                             follow_layers)

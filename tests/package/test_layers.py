@@ -25,7 +25,7 @@ _LAYER_OF = {
     "engine": "engine",
     "checkpoint": "checkpoint",
     "config": "session", "session": "session",
-    "lightning": "lightning", "strategy": "lightning", "fabric": "lightning",
+    "lightning": "lightning",
     "testing": "entry", "__init__": "entry", "__main__": "entry",
 }
 
