@@ -228,7 +228,7 @@ def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repea
     for _ in range(repeats):
         t0 = time.perf_counter()
         g, layout = choose_owner_group_size(specs, dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
-                                            grad_bytes=GRAD_BYTES, expert_dp=D)
+                                            grad_bytes=GRAD_BYTES, expert_dp_size=D)
         times.append(time.perf_counter() - t0)
     muon = {s.name: model.uses_muon(s) for s in specs}
     state_bytes = {n: MUON_STATE_BYTES if muon[n] else ADAMW_STATE_BYTES for n in muon}

@@ -5,11 +5,11 @@ A :class:`Layout` holds, per buffer, its buckets and, per parameter, its
 The planner sees parameters only as :class:`ParamSpec` records.
 
 Note [shard alignment]
-    A bucket of length ``L`` is split into ``dp`` shards of ``L / dp`` elements;
-    rank ``r`` reduces into and gathers from shard ``r``. Layer-wise optimizers
-    such as Muon need a *whole* matrix on one rank, so no parameter may cross a
-    shard boundary: each parameter lies inside exactly one shard, and that
-    shard's rank is its *owner*. Every parameter starts on a 64-element boundary
+    A bucket of length ``L`` is split into ``n`` shards of ``L / n`` elements, ``n`` the
+    ranks it is planned for (:attr:`BucketPlan.shards`); rank ``r`` reduces into and
+    gathers from shard ``r``. Layer-wise optimizers such as Muon need a *whole* matrix
+    on one rank, so no parameter may cross a shard boundary: each parameter lies inside
+    exactly one shard, and that shard's rank is its *owner*. Every parameter starts on a 64-element boundary
     (:data:`ALIGNMENT`) so views into the buffer stay aligned for vectorized
     kernels and NCCL.
 """

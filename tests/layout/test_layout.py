@@ -482,7 +482,7 @@ def test_owner_group_choice_weighs_experts_as_the_wrapper_plans_them():
     dense = [ParamSpec(f"d{i}", (512, 512)) for i in range(8)]
     experts = [ParamSpec(f"e{i}", (256, 512), kind="expert") for i in range(6)]
     as_dense = [ParamSpec(s.name, s.shape) for s in experts]
-    g_marked, layout = choose_owner_group_size(dense + experts, 16, 2**20, ranks_per_node=8, expert_dp=2)
+    g_marked, layout = choose_owner_group_size(dense + experts, 16, 2**20, ranks_per_node=8, expert_dp_size=2)
     g_dense_only, _ = choose_owner_group_size(dense + as_dense, 16, 2**20, ranks_per_node=8)
     assert (g_marked, g_dense_only) == (8, 2)
     assert {b.kind for b in layout.buffers} == {"dense", "expert"}
