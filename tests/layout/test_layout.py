@@ -219,7 +219,7 @@ def test_summary_reports_padding_and_costs():
 
 
 def test_cli_prints_layout(capsys):
-    from lightning_layerwise.layout.cli import _main
+    from lightning_layerwise.layout_cli import _main
 
     _main(["tests.layout.test_layout:_tiny_model", "--dp", "2", "3"])
     out = capsys.readouterr().out

@@ -26,7 +26,7 @@ _LAYER_OF = {
     "checkpoint": "checkpoint",
     "config": "session", "session": "session",
     "lightning": "lightning",
-    "testing": "entry", "__init__": "entry", "__main__": "entry",
+    "testing": "entry", "__init__": "entry", "__main__": "entry", "layout_cli": "entry",
 }
 
 
