@@ -96,7 +96,7 @@ from .engine.data_parallel import LayerwiseDataParallel, wrappers_of
 from .engine.module_checks import reject_sparse_gradients
 from .engine.wrapper_setup import layout_specs
 from .experts import check_expert_marks, expert_key_map, expert_parameter_names
-from .checkpoint.checkpoints import SessionCheckpoints
+from .session_checkpoints import SessionCheckpoints
 from .checkpoint.formats import Checkpoint
 from .checkpoint.named_state import to_cpu
 from .layout import Layout, choose_expert_group_size, choose_owner_group_size, plan_layout

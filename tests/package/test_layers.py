@@ -24,7 +24,7 @@ _LAYER_OF = {
     "layout": "layout",
     "engine": "engine",
     "checkpoint": "checkpoint",
-    "config": "session", "session": "session",
+    "config": "session", "session": "session", "session_checkpoints": "session",
     "lightning": "lightning",
     "testing": "entry", "__init__": "entry", "__main__": "entry", "layout_cli": "entry",
 }
