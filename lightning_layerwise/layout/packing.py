@@ -1,33 +1,33 @@
 """Packing parameters into shard-aligned buckets: :func:`plan_layout`.
 
 Note [size matching]
-    Shards of one bucket must have equal length, so the planner fills all ``group_size``
-    shards in lock-step *rounds*. A round starts with the next parameter in
-    backward order (the *seed*); its length is the seed's aligned size. The
-    other ``group_size - 1`` shards of the round take parameters of the same size
-    (*peers*), nearest in backward order first; a stack of identical
+    Shards of one bucket must have equal length, so the planner fills all
+    ``group_size`` shards in lock-step *rounds*. A round starts with the next
+    parameter in backward order (the *seed*); its length is the seed's aligned size.
+    The other ``group_size - 1`` shards of the round take parameters of the same
+    size (*peers*), nearest in backward order first; a stack of identical
     transformer blocks therefore packs with zero padding when ``group_size`` divides
-    the number of blocks. A shard that finds no peer is filled greedily with
-    smaller parameters that fit (next in backward order first), and only what
-    is left is padding. Note [leftovers] decides which parameters may be peers
-    and which are kept for filling.
+    the number of blocks. A shard that finds no peer is filled greedily with smaller
+    parameters that fit (next in backward order first), and only what is left is
+    padding. Note [leftovers] decides which parameters may be peers and which are
+    kept for filling.
 
 Note [leftovers]
-    Backward-order filling alone strands parameters: when a large seed's round
-    (an untied output head, first in backward order) fills its free shards
-    with whole layers, every size class is left with a count that ``group_size`` does
-    not divide, and each class ends in a short round of single matrices, most
-    of whose shards are padding (Llama-3 70B at 64 ranks: 14% padding). So the
-    planner also tries a second packing that plans by *size class* first
-    (:func:`_reserve_leftovers`): largest class first, a class of ``c``
-    parameters needs ``c // group_size`` full rounds, and its ``c % group_size`` leftovers are
-    *reserved* as fill if they fit into the free shards of larger classes'
-    short rounds (simulated first-fit decreasing); otherwise they form a short
-    round whose free shards smaller classes may use. Then whole groups of
-    ``group_size`` parameters of a class move from full rounds into free shards while
-    everything still fits (largest class first; giving one group back to make
-    room for smaller classes is kept when the rounds get shorter). Moving fewer
-    than ``group_size`` would only turn a full round into a short one of the same length.
+    Backward-order filling alone strands parameters: when a large seed's round (an
+    untied output head, first in backward order) fills its free shards with whole
+    layers, every size class is left with a count that ``group_size`` does not
+    divide, and each class ends in a short round of single matrices, most of whose
+    shards are padding (Llama-3 70B at 64 ranks: 14% padding). So the planner also
+    tries a second packing that plans by *size class* first
+    (:func:`_reserve_leftovers`): largest class first, a class of ``c`` parameters
+    needs ``c // group_size`` full rounds, and its ``c % group_size`` leftovers are
+    *reserved* as fill if they fit into the free shards of larger classes' short
+    rounds (simulated first-fit decreasing); otherwise they form a short round whose
+    free shards smaller classes may use. Then whole groups of ``group_size``
+    parameters of a class move from full rounds into free shards while everything
+    still fits (largest class first; giving one group back to make room for smaller
+    classes is kept when the rounds get shorter). Moving fewer than ``group_size``
+    would only turn a full round into a short one of the same length.
 
     The packing pass then runs as before, except that a seed's peers are never
     reserved parameters, and shards without a peer are filled with reserved
@@ -67,25 +67,25 @@ Note [owner balancing]
     Accumulated costs carry over from one buffer to the next, so a rank that
     got much of the dense buffer's work gets less of the expert buffer's.
 
-    Greedy filling decides *which* parameters a round takes (and so the
-    padding), but packs them first-fit, shard after shard. When a huge
-    parameter (an embedding) seeds a round at large ``group_size``, the round's other
-    shards have room for most of the model, and first-fit would pile it onto
-    a few ranks. So a round whose shards hold several parameters is re-packed
-    for balance: its parameters, costliest first, each go to the least loaded
-    rank whose shard still has room (a parameter the size of the whole shard
-    needs an empty shard, and enough empty shards are kept for those). Same
-    parameters, same round length, so padding is unchanged. If that packing
-    does not fit (first-fit can succeed where it fails), the round keeps its
-    first-fit shards.
+    Greedy filling decides *which* parameters a round takes (and so the padding),
+    but packs them first-fit, shard after shard. When a huge parameter (an
+    embedding) seeds a round at large ``group_size``, the round's other shards have
+    room for most of the model, and first-fit would pile it onto a few ranks. So a
+    round whose shards hold several parameters is re-packed for balance: its
+    parameters, costliest first, each go to the least loaded rank whose shard still
+    has room (a parameter the size of the whole shard needs an empty shard, and
+    enough empty shards are kept for those). Same parameters, same round length, so
+    padding is unchanged. If that packing does not fit (first-fit can succeed where
+    it fails), the round keeps its first-fit shards.
 
 Note [element-wise fill]
-    Whole ownership pads: a parameter owned whole needs a round of ``group_size`` shards
-    of its size, so a model whose largest tensor is a large share of the whole (an
-    embedding) pads most of every buffer at large ``group_size`` (Note [shard alignment] in ``layout/plan.py``).
-    Parameters whose optimizer update is element-wise (``ParamSpec.elementwise``:
-    the AdamW groups of Muon, AdamW, SGD…) need no whole tensor, so the planner
-    places them after the whole ones, in two steps:
+    Whole ownership pads: a parameter owned whole needs a round of ``group_size``
+    shards of its size, so a model whose largest tensor is a large share of the
+    whole (an embedding) pads most of every buffer at large ``group_size``
+    (Note [shard alignment] in ``layout/plan.py``). Parameters whose optimizer update
+    is element-wise (``ParamSpec.elementwise``: the AdamW groups of Muon, AdamW,
+    SGD…) need no whole tensor, so the planner places them after the whole ones, in
+    two steps:
 
     1. *Pour*: largest first, each goes whole into the smallest gap a
        whole-parameter bucket left (padding inside a shard) that holds it, and only
@@ -93,12 +93,12 @@ Note [element-wise fill]
        that no bucket's gradients complete later than without it.
     2. *Flat buckets*: the rest are laid back to back in backward order (each on a
        64-element boundary) into buckets of ``bucket_size`` elements, rounded up to
-       a multiple of ``group_size * 64`` (of ``group_size * lcm(64, 16 R)`` when ``R`` owner groups
-       share the stepping: equal chunks, Note [replica sharing] in ``layout/sharing.py``)
-       and split into ``group_size`` equal shards, as a ZeRO-1
-       optimizer splits its buffer. A parameter crossing a shard boundary is split:
-       its :class:`Piece` on each rank is the part inside that rank's shard, and
-       that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
+       a multiple of ``group_size * 64`` (of ``group_size * lcm(64, 16 R)`` when
+       ``R`` owner groups share the stepping: equal chunks, Note [replica sharing]
+       in ``layout/sharing.py``) and split into ``group_size`` equal shards, as a
+       ZeRO-1 optimizer splits its buffer. A parameter crossing a shard boundary is
+       split: its :class:`Piece` on each rank is the part inside that rank's shard,
+       and that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
 
     With ``follow_layers`` (sharded parameters) a flat bucket also closes where a layer ends once it holds half
     of ``bucket_size`` (Note [flat layers] in ``layout/flat.py``).
@@ -111,11 +111,12 @@ Note [element-wise fill]
     owner's shard, and a parameter that is not element-wise never crosses a shard
     boundary. Padding left: what whole parameters leave that no element-wise
     parameter fits, plus alignment (at most 63 elements per parameter and
-    ``group_size * lcm(64, 16 R)`` per flat bucket). An element-wise parameter's cost is its element
-    count whatever ``cost`` says (a piece costs its share). The flat buckets keep
-    backward order among themselves but follow all whole buckets in the buffer;
-    the wrapper orders collectives by each bucket's first parameter, so that only
-    changes when a flat bucket's reduce-scatter can start, never correctness.
+    ``group_size * lcm(64, 16 R)`` per flat bucket). An element-wise parameter's
+    cost is its element count whatever ``cost`` says (a piece costs its share). The
+    flat buckets keep backward order among themselves but follow all whole buckets
+    in the buffer; the wrapper orders collectives by each bucket's first parameter,
+    so that only changes when a flat bucket's reduce-scatter can start, never
+    correctness.
 
 Note [backward order]
     Gradients become ready in roughly reverse registration order, so buffers
