@@ -46,7 +46,7 @@ def segments(layout: Layout):
     for buf in layout.buffers:
         for bucket in buf.buckets:
             per_rank = []
-            for rank in range(layout.dp):
+            for rank in range(layout.group_size):
                 lo, hi = bucket.shard_range(rank)
                 mine = []
                 for name in bucket.params:
@@ -60,7 +60,7 @@ def segments(layout: Layout):
 
 
 def text(layout: Layout) -> str:
-    lines = [f"dp={layout.dp}, padding {100 * layout.padding_fraction:.1f}% of {layout.total_numel:,} elements"]
+    lines = [f"dp={layout.group_size}, padding {100 * layout.padding_fraction:.1f}% of {layout.total_numel:,} elements"]
     for bucket, per_rank in segments(layout):
         cells = []
         for mine in per_rank:
@@ -74,7 +74,7 @@ def text(layout: Layout) -> str:
 def sharing_text(layout: Layout, specs: list[ParamSpec]) -> str:
     """Who steps what with replica sharing: per bucket and shard, the chunk of each replica; per rank, the
     matrices it orthogonalizes and the optimizer state it holds."""
-    g, R = layout.dp, layout.replicas
+    g, R = layout.group_size, layout.replicas
     elementwise = {s.name: s.elementwise for s in specs}
     lines = [f"{g * R} ranks as {R} owner groups of {g}: rank = group * {g} + position; the ranks at one "
              "position hold the same shard and step one chunk of it each"]
@@ -110,7 +110,7 @@ def draw_sharing(layout: Layout, path: Path) -> None:
     """One row per rank of the world: its shard of every bucket (grey: held, all-gathered from the other
     replicas), and in colour the chunk it steps (the parameters it orthogonalizes or updates)."""
     plt = harness.pyplot()
-    g, R = layout.dp, layout.replicas
+    g, R = layout.group_size, layout.replicas
     names = sorted(layout.params)
     cmap = plt.get_cmap("tab20")
     color = {n: cmap(i % 20) for i, n in enumerate(names)}
@@ -162,7 +162,7 @@ def draw(layouts: list[tuple[str, Layout]], path: Path) -> None:
                         ax.text(lo + (a + b) / 2, rank, name + (f" {i + 1}/{k}" if k > 1 else ""), ha="center",
                                 va="center", fontsize=6.5)
             ax.axvline(bucket.end, color="k", lw=1.2)
-        ax.set_yticks(range(lay.dp), [f"rank {r}" for r in range(lay.dp)])
+        ax.set_yticks(range(lay.group_size), [f"rank {r}" for r in range(lay.group_size)])
         ax.invert_yaxis()
         ax.set_xlim(0, width)
         ax.set_title(f"{title}: padding {100 * lay.padding_fraction:.1f}% (grey), buffer {lay.total_numel:,} elements",

@@ -158,7 +158,7 @@ def bytes_ratio(model: ModelShapes, layout: Layout, dp: int) -> float:
     the replicas each shard's chunks (Note [replica sharing]): a ring reduce to the replica stepping a whole
     shard and a ring broadcast from it, or a ring reduce-scatter and all-gather of equal chunks; either way
     replica ``k`` sends ``2 (shard - its chunk)``. A padding-only shard sends nothing across."""
-    g, replicas = layout.dp, layout.replicas
+    g, replicas = layout.group_size, layout.replicas
     sent = [0.0] * (g * replicas)
     for plan in layout.buffers:
         for b in plan.buckets:
@@ -228,7 +228,7 @@ def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repea
     for _ in range(repeats):
         t0 = time.perf_counter()
         g, layout = choose_owner_group_size(specs, dp, bucket_size, cost, ranks_per_node=RANKS_PER_NODE,
-                                            grad_bytes=GRAD_BYTES, expert_dp=D)
+                                            grad_bytes=GRAD_BYTES, expert_dp_size=D)
         times.append(time.perf_counter() - t0)
     muon = {s.name: model.uses_muon(s) for s in specs}
     state_bytes = {n: MUON_STATE_BYTES if muon[n] else ADAMW_STATE_BYTES for n in muon}
@@ -254,7 +254,7 @@ def measure_experts(model: ModelShapes, dp: int, E: int, bucket_size: int, repea
         ideal_buffers += params
         ours_state += max(state)
         ideal_state += sum(numel[n] * state_bytes[n] for n in names) / ranks
-        g_kind = plans[0].dp if plans else 1
+        g_kind = plans[0].shards if plans else 1
         replicas = ranks // g_kind
         per_rank = [0.0] * ranks
         for plan in plans:

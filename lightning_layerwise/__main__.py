@@ -1,4 +1,4 @@
-"""``python -m lightning_layerwise``: the layout report of a model (``layout.cli``), or
+"""``python -m lightning_layerwise``: the layout report of a model (``layout_cli.py``), or
 ``python -m lightning_layerwise consolidate SRC DST``: a sharded checkpoint as one file."""
 
 import sys
@@ -8,6 +8,6 @@ if len(sys.argv) > 1 and sys.argv[1] == "consolidate":
 
     _consolidate_main(sys.argv[2:])
 else:
-    from .layout.cli import _main
+    from .layout_cli import _main
 
     _main()

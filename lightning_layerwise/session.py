@@ -96,7 +96,7 @@ from .engine.data_parallel import LayerwiseDataParallel, wrappers_of
 from .engine.module_checks import reject_sparse_gradients
 from .engine.wrapper_setup import layout_specs
 from .experts import check_expert_marks, expert_key_map, expert_parameter_names
-from .checkpoint.checkpoints import SessionCheckpoints
+from .session_checkpoints import SessionCheckpoints
 from .checkpoint.formats import Checkpoint
 from .checkpoint.named_state import to_cpu
 from .layout import Layout, choose_expert_group_size, choose_owner_group_size, plan_layout
@@ -354,11 +354,11 @@ class LayerwiseSession:
         c, world, groups = self.config, self.env.world_size, self.groups
         g = groups.owner_size
         E = c.expert_parallel_size
-        expert_dp = world // E if has_experts and E > 1 else None
-        ge = groups.expert_owner_size if expert_dp is not None else None
-        return plan_layout(specs, g, c.planned_bucket_size, expert_dp=ge, replicas=world // g,
+        expert_dp_size = world // E if has_experts and E > 1 else None
+        ge = groups.expert_owner_size if expert_dp_size is not None else None
+        return plan_layout(specs, g, c.planned_bucket_size, expert_group_size=ge, replicas=world // g,
                            follow_layers=c.shard_parameters,
-                           expert_replicas=expert_dp // ge if ge else 1)
+                           expert_replicas=expert_dp_size // ge if ge else 1)
 
     def _plan(self, specs, has_experts: bool) -> tuple[int, Optional[Layout]]:
         """The owner group size and its layout, planned once (Note [choosing the owner group size] in
@@ -368,7 +368,7 @@ class LayerwiseSession:
         runs them, so they do not sway the choice."""
         c, world = self.config, self.env.world_size
         E = c.expert_parallel_size
-        expert_dp = world // E if has_experts and E > 1 else None
+        expert_dp_size = world // E if has_experts and E > 1 else None
         g, layout = world, None
         if c.owner_group_size not in (None, "auto"):
             if world % c.owner_group_size:
@@ -380,16 +380,17 @@ class LayerwiseSession:
             grad_dtype = self._grad_reduce_dtype()
             g, layout = choose_owner_group_size(
                 specs, world, c.planned_bucket_size, ranks_per_node=self.env.ranks_per_node,
-                grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None, expert_dp=expert_dp,
+                grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None, expert_dp_size=expert_dp_size,
                 follow_layers=c.shard_parameters)
             if g != world:
                 self.env.info(f"{self.name}: owner groups of {g} ranks (owner_group_size='auto'; {world // g} "
                               "groups).")
         if layout is None and specs:  # no parameter to train: the wrapper says so
-            ge = choose_expert_group_size(specs, expert_dp, c.planned_bucket_size) if expert_dp is not None else None
-            layout = plan_layout(specs, g, c.planned_bucket_size, expert_dp=ge, replicas=world // g,
+            ge = (choose_expert_group_size(specs, expert_dp_size, c.planned_bucket_size) if expert_dp_size is not None
+                  else None)
+            layout = plan_layout(specs, g, c.planned_bucket_size, expert_group_size=ge, replicas=world // g,
                                  follow_layers=c.shard_parameters,
-                                 expert_replicas=expert_dp // ge if ge else 1)
+                                 expert_replicas=expert_dp_size // ge if ge else 1)
         return g, layout
 
     def _check_expert_parallel_size(self) -> None:

@@ -46,20 +46,42 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, ContextManager, Optional, Protocol, Union
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 from .files import commit, is_local_path, partial_path
 from .named_state import gather_named_state
-from .ownership import (MODEL_KEY, join_pieces, mark_pieces, model_entries_to_write, optimizer_key,
+from .ownership import (MODEL_KEY, Ownership, join_pieces, mark_pieces, model_entries_to_write, optimizer_key,
                         pieces_as_sharded_tensors)
 from .sharded import FORMAT, FORMAT_VERSION, read_sharded_checkpoint, save_sharded
 from ..experts import expert_key_predicate
 
-if TYPE_CHECKING:
-    from .checkpoints import CheckpointHost
+
+class CheckpointHost(Protocol):
+    """What a :class:`CheckpointFormat` needs of the run it saves and loads (the session's
+    :class:`~lightning_layerwise.session_checkpoints.SessionCheckpoints` is one)."""
+
+    name: str
+    """Who is saving, for error messages (``LayerwiseStrategy``, ``LayerwiseSession``…)."""
+    module: Optional[nn.Module]
+    is_global_zero: bool
+    checkpoint_format: str
+    expert_parallel_size: int
+
+    def ownership(self) -> Ownership: ...
+
+    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
+
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+
+    def naming_failures(self, phase: str) -> ContextManager[None]: ...
+
+    def layout_meta(self) -> dict[str, Any]: ...
+
+    def after_model_load(self) -> None: ...
 
 
 @dataclass
@@ -91,7 +113,7 @@ class Loaded:
 class CheckpointFormat(ABC):
     """One checkpoint format (Note [checkpoint formats])."""
 
-    def resolve(self, host: "CheckpointHost") -> "CheckpointFormat":
+    def resolve(self, host: CheckpointHost) -> "CheckpointFormat":
         """The format a save writes now (itself, but for :class:`Auto`)."""
         return self
 
@@ -100,20 +122,20 @@ class CheckpointFormat(ABC):
     """Whether it can be written under expert parallelism (rank 0 holds only its own experts)."""
 
     @abstractmethod
-    def optimizer_state(self, host: "CheckpointHost", optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, host: CheckpointHost, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer``'s state in this format's form (may be collective)."""
 
-    def check_save(self, host: "CheckpointHost", target: str, storage_options: Any, call: str,
+    def check_save(self, host: CheckpointHost, target: str, storage_options: Any, call: str,
                    has_model: bool) -> None:
         """Raises, before any work, for a save this format cannot make."""
 
     @abstractmethod
-    def save(self, host: "CheckpointHost", target: str, checkpoint: Checkpoint, file_io: Any,
+    def save(self, host: CheckpointHost, target: str, checkpoint: Checkpoint, file_io: Any,
              storage_options: Any) -> None:
         """Writes ``checkpoint`` at ``target`` (rank 0's path; collective)."""
 
     @abstractmethod
-    def read(self, host: "CheckpointHost", path: Union[Path, str], *, n_optimizers: int, strict: bool,
+    def read(self, host: CheckpointHost, path: Union[Path, str], *, n_optimizers: int, strict: bool,
              weights_only: Optional[bool], strict_hint: str, file_io: Any, memory_map: bool) -> Loaded:
         """Reads the checkpoint at ``path`` (collective)."""
 
@@ -122,7 +144,7 @@ class FullFile(CheckpointFormat):
     name = "full"
     holds_every_expert = False
 
-    def optimizer_state(self, host: "CheckpointHost", optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, host: CheckpointHost, optimizer: Optimizer) -> dict[str, Any]:
         """Every rank's part gathered to rank 0 (collective); the other ranks get an empty state."""
         named = host.named_optimizer_state(optimizer)
         ownership = host.ownership()
@@ -132,7 +154,7 @@ class FullFile(CheckpointFormat):
             return {"state": {}, "param_groups": named["param_groups"]}
         return join_pieces(full, ownership.split)
 
-    def save(self, host: "CheckpointHost", target: str, checkpoint: Checkpoint, file_io: Any,
+    def save(self, host: CheckpointHost, target: str, checkpoint: Checkpoint, file_io: Any,
              storage_options: Any) -> None:
         if not host.is_global_zero:
             return
@@ -143,7 +165,7 @@ class FullFile(CheckpointFormat):
         file_io.save_checkpoint(checkpoint.whole, partial, storage_options=storage_options)
         commit(partial, Path(target))
 
-    def read(self, host: "CheckpointHost", path: Union[Path, str], *, n_optimizers: int, strict: bool,
+    def read(self, host: CheckpointHost, path: Union[Path, str], *, n_optimizers: int, strict: bool,
              weights_only: Optional[bool], strict_hint: str, file_io: Any, memory_map: bool) -> Loaded:
         if memory_map and isinstance(path, Path) and path.is_file():
             # Memory-mapped: a rank reads the pages of the tensors it uses (all parameters, its owned
@@ -160,11 +182,11 @@ class ShardedDirectory(CheckpointFormat):
     name = "sharded"
     holds_every_expert = True
 
-    def optimizer_state(self, host: "CheckpointHost", optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, host: CheckpointHost, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's owned part."""
         return host.named_optimizer_state(optimizer)
 
-    def check_save(self, host: "CheckpointHost", target: str, storage_options: Any, call: str,
+    def check_save(self, host: CheckpointHost, target: str, storage_options: Any, call: str,
                    has_model: bool) -> None:
         if storage_options is not None:
             raise TypeError(f"{call}(..., storage_options=...) is not supported: sharded checkpoints are written "
@@ -180,7 +202,7 @@ class ShardedDirectory(CheckpointFormat):
             raise ValueError(f"{call} needs the trained module in the state (e.g. {{'model': model, 'optimizer': "
                              "optimizer, ...}): its parameters are what each rank writes.")
 
-    def save(self, host: "CheckpointHost", target: str, checkpoint: Checkpoint, file_io: Any,
+    def save(self, host: CheckpointHost, target: str, checkpoint: Checkpoint, file_io: Any,
              storage_options: Any) -> None:
         tensors = host.checkpoint_state(host.module.state_dict(keep_vars=True))
         ownership = host.ownership()
@@ -197,7 +219,7 @@ class ShardedDirectory(CheckpointFormat):
         with host.naming_failures(f"saving the sharded checkpoint {target!r}"):
             save_sharded(Path(target), state, meta if host.is_global_zero else None)
 
-    def read(self, host: "CheckpointHost", path: Union[Path, str], *, n_optimizers: int, strict: bool,
+    def read(self, host: CheckpointHost, path: Union[Path, str], *, n_optimizers: int, strict: bool,
              weights_only: Optional[bool], strict_hint: str, file_io: Any, memory_map: bool) -> Loaded:
         """Reads the owned parameters (then all-gathers them) and the owned optimizer state."""
         module = host.module
@@ -228,23 +250,23 @@ class Auto(CheckpointFormat):
     name = "auto"
     holds_every_expert = True
 
-    def resolve(self, host: "CheckpointHost") -> CheckpointFormat:
+    def resolve(self, host: CheckpointHost) -> CheckpointFormat:
         if host.expert_parallel_size > 1 or host.module is None:
             return FORMATS["sharded"]
         return FORMATS["full" if model_bytes(host.module) <= AUTO_FULL_LIMIT else "sharded"]
 
-    def optimizer_state(self, host: "CheckpointHost", optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, host: CheckpointHost, optimizer: Optimizer) -> dict[str, Any]:
         return self.resolve(host).optimizer_state(host, optimizer)
 
-    def check_save(self, host: "CheckpointHost", target: str, storage_options: Any, call: str,
+    def check_save(self, host: CheckpointHost, target: str, storage_options: Any, call: str,
                    has_model: bool) -> None:
         self.resolve(host).check_save(host, target, storage_options, call, has_model)
 
-    def save(self, host: "CheckpointHost", target: str, checkpoint: Checkpoint, file_io: Any,
+    def save(self, host: CheckpointHost, target: str, checkpoint: Checkpoint, file_io: Any,
              storage_options: Any) -> None:
         self.resolve(host).save(host, target, checkpoint, file_io, storage_options)
 
-    def read(self, host: "CheckpointHost", path: Union[Path, str], **kwargs: Any) -> Loaded:
+    def read(self, host: CheckpointHost, path: Union[Path, str], **kwargs: Any) -> Loaded:
         return format_on_disk(path).read(host, path, **kwargs)
 
 

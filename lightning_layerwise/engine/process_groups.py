@@ -316,8 +316,8 @@ class Ranks:
                       expert_parallel_size=groups.expert_parallel_size)
         if groups.expert_parallel is None:
             return cls(**common, expert_dp_rank=groups.owner_rank)
-        expert_dp = dist.get_world_size(groups.expert_dp)
+        expert_dp_size = dist.get_world_size(groups.expert_dp)
         return cls(**common, expert_dp_rank=dist.get_rank(groups.expert_dp),
                    expert_owner_size=groups.expert_owner_size,
                    expert_owner_rank=dist.get_rank(groups.expert_owner_group),
-                   expert_replicas=expert_dp // groups.expert_owner_size)
+                   expert_replicas=expert_dp_size // groups.expert_owner_size)

@@ -9,11 +9,11 @@ exhaustively without torch.distributed.
 
 The package, by layer: the plan's types (``plan``), packing parameters into buckets
 (``packing``; element-wise ones back to back: ``flat``), owner groups sharing each shard's
-stepping (``sharing``), choosing the owner group size (``group_size``) and the command line
-(``cli``).
+stepping (``sharing``), choosing the owner group size (``group_size``) and a model's layout as
+text (``describe``).
 """
 
-from .cli import describe_layout
+from .describe import describe_layout
 from .group_size import (DEFAULT_RANKS_PER_NODE, DEFAULT_STATE_BYTES, PADDING_TOLERANCE, choose_expert_group_size,
                          choose_owner_group_size, estimated_rank_bytes)
 from .packing import plan_layout

@@ -26,11 +26,11 @@ CHUNK_ALIGNMENT = 16
 than :data:`ALIGNMENT`, so that the rounding, sent across the groups as padding, stays small at many replicas."""
 
 
-def plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, first_index: int,
+def plan_flat(queue: list[ParamSpec], group_size: int, bucket_size: int, start: int, first_index: int,
               located: dict[str, tuple[int, int]], pieces: dict[str, tuple[Piece, ...]], rank_cost: list[float],
               costs: Mapping[str, float], replicas: int = 1, follow_layers: bool = False) -> list[BucketPlan]:
     """Element-wise parameters packed back to back, in backward order, into buckets split into
-    ``dp`` equal shards; a parameter crossing a shard boundary is stepped in pieces. With ``replicas`` owner
+    ``group_size`` equal shards; a parameter crossing a shard boundary is stepped in pieces. With ``replicas`` owner
     groups sharing the stepping, a shard is rounded up to a multiple of ``replicas * 16`` elements too, so that it
     cuts into ``replicas`` equal chunks aligned to :data:`CHUNK_ALIGNMENT` (Note [replica sharing] in
     ``layout/sharing.py``).
@@ -39,7 +39,7 @@ def plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, fir
     members: list[ParamSpec] = []
     bucket_start = cursor = start
 
-    rounding = dp * math.lcm(ALIGNMENT, replicas * CHUNK_ALIGNMENT)
+    rounding = group_size * math.lcm(ALIGNMENT, replicas * CHUNK_ALIGNMENT)
 
     def layer_ends(spec: ParamSpec) -> bool:
         """Whether to close before ``spec`` (Note [flat layers]): a layer ended, the bucket is half full and
@@ -51,18 +51,18 @@ def plan_flat(queue: list[ParamSpec], dp: int, bucket_size: int, start: int, fir
     def close() -> None:
         nonlocal bucket_start
         length = aligned(cursor - bucket_start, rounding)
-        shard = length // dp
+        shard = length // group_size
         for spec in members:
             offset = located[spec.name][1]
             owned = []
-            for rank in range(dp):
+            for rank in range(group_size):
                 lo = bucket_start + rank * shard
                 a, b = max(offset, lo), min(offset + spec.numel, lo + shard)
                 if a < b:
                     owned.append(Piece(rank, a - offset, b - offset))
                     rank_cost[rank] += costs[spec.name] * (b - a) / spec.numel
             pieces[spec.name] = tuple(owned)
-        buckets.append(BucketPlan(first_index + len(buckets), bucket_start, bucket_start + length, dp,
+        buckets.append(BucketPlan(first_index + len(buckets), bucket_start, bucket_start + length, group_size,
                                   tuple(s.name for s in members)))
         bucket_start += length
         members.clear()

@@ -20,7 +20,7 @@ Note [choosing the owner group size]
     node, and a group of one would make every collective a rooted one across the
     replicas, so one group of all ranks is tried first there, then groups of one.
     Expert parameters (``kind="expert"``, with
-    ``expert_dp``) are planned inside their expert data-parallel group whatever ``g``
+    ``expert_dp_size``) are planned inside their expert data-parallel group whatever ``g``
     is (their owner group size chosen by :func:`choose_expert_group_size`), so the
     choice weighs the dense parameters alone, as the wrapper then plans them. Pure:
     every rank computes the same answer.
@@ -73,17 +73,18 @@ PADDING_TOLERANCE = 0.01
 def choose_owner_group_size(specs: Sequence[ParamSpec], dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
                             cost: Callable[[ParamSpec], float] = newton_schulz_cost, ranks_per_node: int | None = None,
                             grad_bytes: int | None = None, state_bytes: int = DEFAULT_STATE_BYTES,
-                            expert_dp: int | None = None, follow_layers: bool = False) -> tuple[int, Layout]:
+                            expert_dp_size: int | None = None, follow_layers: bool = False) -> tuple[int, Layout]:
     """The owner group size ``g`` (a divisor of ``dp``) and its layout, shared among the ``dp / g`` groups
     (Note [choosing the owner group size])."""
     specs = list(specs)
     _validate(specs, dp, bucket_size, what="dp")
-    ge = choose_expert_group_size(specs, expert_dp, bucket_size, cost) if expert_dp is not None else None
-    shared = {"expert_dp": ge, "expert_replicas": expert_dp // ge if ge else 1, "follow_layers": follow_layers}
+    ge = choose_expert_group_size(specs, expert_dp_size, bucket_size, cost) if expert_dp_size is not None else None
+    shared = {"expert_group_size": ge, "expert_replicas": expert_dp_size // ge if ge else 1,
+              "follow_layers": follow_layers}
     per_node = ranks_per_node or DEFAULT_RANKS_PER_NODE
     if dp <= per_node:
         return dp, plan_layout(specs, dp, bucket_size, cost, **shared)
-    expert_groups = expert_dp is not None
+    expert_groups = expert_dp_size is not None
     dense = [s for s in specs if not (expert_groups and s.kind == "expert")]
     unpadded = sum(aligned(s.numel) for s in dense)
 
@@ -107,19 +108,19 @@ def _group_candidates(dp: int, per_node: int) -> list[int]:
     return sorted((g for g in range(1, dp + 1) if dp % g == 0 and per_node % g == 0), reverse=True)
 
 
-def choose_expert_group_size(specs: Sequence[ParamSpec], expert_dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
+def choose_expert_group_size(specs: Sequence[ParamSpec], expert_dp_size: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
                              cost: Callable[[ParamSpec], float] = newton_schulz_cost) -> int:
-    """The owner group size for the expert buffers inside an expert data-parallel group of ``expert_dp`` ranks
-    (Note [expert owner groups] in ``engine/process_groups.py``): the largest divisor of ``expert_dp`` whose expert
-    buffers exceed the unpadded expert parameters by at most :data:`PADDING_TOLERANCE`, else the one that pads
-    least. The experts' own rule of Note [choosing the owner group size]: their replicas share the stepping,
-    so only padding is at stake. Pure."""
+    """The owner group size for the expert buffers inside an expert data-parallel group of ``expert_dp_size``
+    ranks (Note [expert owner groups] in ``engine/process_groups.py``): the largest divisor of ``expert_dp_size``
+    whose expert buffers exceed the unpadded expert parameters by at most :data:`PADDING_TOLERANCE`, else the one
+    that pads least. The experts' own rule of Note [choosing the owner group size]: their replicas share the
+    stepping, so only padding is at stake. Pure."""
     experts = [s for s in specs if s.kind == "expert"]
     if not experts:
-        return expert_dp
+        return expert_dp_size
     unpadded = sum(aligned(s.numel) for s in experts)
     planned = {}
-    for ge in sorted((d for d in range(1, expert_dp + 1) if expert_dp % d == 0), reverse=True):
+    for ge in sorted((d for d in range(1, expert_dp_size + 1) if expert_dp_size % d == 0), reverse=True):
         total = plan_layout(experts, ge, bucket_size, cost).total_numel
         if total <= (1 + PADDING_TOLERANCE) * unpadded:
             return ge

@@ -1,33 +1,33 @@
 """Packing parameters into shard-aligned buckets: :func:`plan_layout`.
 
 Note [size matching]
-    Shards of one bucket must have equal length, so the planner fills all ``dp``
-    shards in lock-step *rounds*. A round starts with the next parameter in
-    backward order (the *seed*); its length is the seed's aligned size. The
-    other ``dp - 1`` shards of the round take parameters of the same size
-    (*peers*), nearest in backward order first; a stack of identical
-    transformer blocks therefore packs with zero padding when ``dp`` divides
-    the number of blocks. A shard that finds no peer is filled greedily with
-    smaller parameters that fit (next in backward order first), and only what
-    is left is padding. Note [leftovers] decides which parameters may be peers
-    and which are kept for filling.
+    Shards of one bucket must have equal length, so the planner fills all
+    ``group_size`` shards in lock-step *rounds*. A round starts with the next
+    parameter in backward order (the *seed*); its length is the seed's aligned size.
+    The other ``group_size - 1`` shards of the round take parameters of the same
+    size (*peers*), nearest in backward order first; a stack of identical
+    transformer blocks therefore packs with zero padding when ``group_size`` divides
+    the number of blocks. A shard that finds no peer is filled greedily with smaller
+    parameters that fit (next in backward order first), and only what is left is
+    padding. Note [leftovers] decides which parameters may be peers and which are
+    kept for filling.
 
 Note [leftovers]
-    Backward-order filling alone strands parameters: when a large seed's round
-    (an untied output head, first in backward order) fills its free shards
-    with whole layers, every size class is left with a count that ``dp`` does
-    not divide, and each class ends in a short round of single matrices, most
-    of whose shards are padding (Llama-3 70B at dp 64: 14% padding). So the
-    planner also tries a second packing that plans by *size class* first
-    (:func:`_reserve_leftovers`): largest class first, a class of ``c``
-    parameters needs ``c // dp`` full rounds, and its ``c % dp`` leftovers are
-    *reserved* as fill if they fit into the free shards of larger classes'
-    short rounds (simulated first-fit decreasing); otherwise they form a short
-    round whose free shards smaller classes may use. Then whole groups of
-    ``dp`` parameters of a class move from full rounds into free shards while
-    everything still fits (largest class first; giving one group back to make
-    room for smaller classes is kept when the rounds get shorter). Moving fewer
-    than ``dp`` would only turn a full round into a short one of the same length.
+    Backward-order filling alone strands parameters: when a large seed's round (an
+    untied output head, first in backward order) fills its free shards with whole
+    layers, every size class is left with a count that ``group_size`` does not
+    divide, and each class ends in a short round of single matrices, most of whose
+    shards are padding (Llama-3 70B at 64 ranks: 14% padding). So the planner also
+    tries a second packing that plans by *size class* first
+    (:func:`_reserve_leftovers`): largest class first, a class of ``c`` parameters
+    needs ``c // group_size`` full rounds, and its ``c % group_size`` leftovers are
+    *reserved* as fill if they fit into the free shards of larger classes' short
+    rounds (simulated first-fit decreasing); otherwise they form a short round whose
+    free shards smaller classes may use. Then whole groups of ``group_size``
+    parameters of a class move from full rounds into free shards while everything
+    still fits (largest class first; giving one group back to make room for smaller
+    classes is kept when the rounds get shorter). Moving fewer than ``group_size``
+    would only turn a full round into a short one of the same length.
 
     The packing pass then runs as before, except that a seed's peers are never
     reserved parameters, and shards without a peer are filled with reserved
@@ -52,7 +52,7 @@ Note [leftovers]
 Note [tail gaps]
     Greedy filling only draws on parameters *after* the seed in backward
     order, so a large parameter without peers near the end of backward (the
-    token embedding, typically) would leave ``dp - 1`` empty shards. Such a
+    token embedding, typically) would leave ``group_size - 1`` empty shards. Such a
     seed becomes *solo*: its round is formed first, filled from the *tail* of
     the queue (the parameters nearest to it in backward order), and placed
     last, so the tail's gradients and the seed's complete together. The planner
@@ -67,25 +67,25 @@ Note [owner balancing]
     Accumulated costs carry over from one buffer to the next, so a rank that
     got much of the dense buffer's work gets less of the expert buffer's.
 
-    Greedy filling decides *which* parameters a round takes (and so the
-    padding), but packs them first-fit, shard after shard. When a huge
-    parameter (an embedding) seeds a round at large ``dp``, the round's other
-    shards have room for most of the model, and first-fit would pile it onto
-    a few ranks. So a round whose shards hold several parameters is re-packed
-    for balance: its parameters, costliest first, each go to the least loaded
-    rank whose shard still has room (a parameter the size of the whole shard
-    needs an empty shard, and enough empty shards are kept for those). Same
-    parameters, same round length, so padding is unchanged. If that packing
-    does not fit (first-fit can succeed where it fails), the round keeps its
-    first-fit shards.
+    Greedy filling decides *which* parameters a round takes (and so the padding),
+    but packs them first-fit, shard after shard. When a huge parameter (an
+    embedding) seeds a round at large ``group_size``, the round's other shards have
+    room for most of the model, and first-fit would pile it onto a few ranks. So a
+    round whose shards hold several parameters is re-packed for balance: its
+    parameters, costliest first, each go to the least loaded rank whose shard still
+    has room (a parameter the size of the whole shard needs an empty shard, and
+    enough empty shards are kept for those). Same parameters, same round length, so
+    padding is unchanged. If that packing does not fit (first-fit can succeed where
+    it fails), the round keeps its first-fit shards.
 
 Note [element-wise fill]
-    Whole ownership pads: a parameter owned whole needs a round of ``dp`` shards
-    of its size, so a model whose largest tensor is a large share of the whole (an
-    embedding) pads most of every buffer at large ``dp`` (Note [shard alignment] in ``layout/plan.py``).
-    Parameters whose optimizer update is element-wise (``ParamSpec.elementwise``:
-    the AdamW groups of Muon, AdamW, SGD…) need no whole tensor, so the planner
-    places them after the whole ones, in two steps:
+    Whole ownership pads: a parameter owned whole needs a round of ``group_size``
+    shards of its size, so a model whose largest tensor is a large share of the
+    whole (an embedding) pads most of every buffer at large ``group_size``
+    (Note [shard alignment] in ``layout/plan.py``). Parameters whose optimizer update
+    is element-wise (``ParamSpec.elementwise``: the AdamW groups of Muon, AdamW,
+    SGD…) need no whole tensor, so the planner places them after the whole ones, in
+    two steps:
 
     1. *Pour*: largest first, each goes whole into the smallest gap a
        whole-parameter bucket left (padding inside a shard) that holds it, and only
@@ -93,12 +93,12 @@ Note [element-wise fill]
        that no bucket's gradients complete later than without it.
     2. *Flat buckets*: the rest are laid back to back in backward order (each on a
        64-element boundary) into buckets of ``bucket_size`` elements, rounded up to
-       a multiple of ``dp * 64`` (of ``dp * lcm(64, 16 R)`` when ``R`` owner groups
-       share the stepping: equal chunks, Note [replica sharing] in ``layout/sharing.py``)
-       and split into ``dp`` equal shards, as a ZeRO-1
-       optimizer splits its buffer. A parameter crossing a shard boundary is split:
-       its :class:`Piece` on each rank is the part inside that rank's shard, and
-       that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
+       a multiple of ``group_size * 64`` (of ``group_size * lcm(64, 16 R)`` when
+       ``R`` owner groups share the stepping: equal chunks, Note [replica sharing]
+       in ``layout/sharing.py``) and split into ``group_size`` equal shards, as a
+       ZeRO-1 optimizer splits its buffer. A parameter crossing a shard boundary is
+       split: its :class:`Piece` on each rank is the part inside that rank's shard,
+       and that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
 
     With ``follow_layers`` (sharded parameters) a flat bucket also closes where a layer ends once it holds half
     of ``bucket_size`` (Note [flat layers] in ``layout/flat.py``).
@@ -111,11 +111,12 @@ Note [element-wise fill]
     owner's shard, and a parameter that is not element-wise never crosses a shard
     boundary. Padding left: what whole parameters leave that no element-wise
     parameter fits, plus alignment (at most 63 elements per parameter and
-    ``dp * lcm(64, 16 R)`` per flat bucket). An element-wise parameter's cost is its element
-    count whatever ``cost`` says (a piece costs its share). The flat buckets keep
-    backward order among themselves but follow all whole buckets in the buffer;
-    the wrapper orders collectives by each bucket's first parameter, so that only
-    changes when a flat bucket's reduce-scatter can start, never correctness.
+    ``group_size * lcm(64, 16 R)`` per flat bucket). An element-wise parameter's
+    cost is its element count whatever ``cost`` says (a piece costs its share). The
+    flat buckets keep backward order among themselves but follow all whole buckets
+    in the buffer; the wrapper orders collectives by each bucket's first parameter,
+    so that only changes when a flat bucket's reduce-scatter can start, never
+    correctness.
 
 Note [backward order]
     Gradients become ready in roughly reverse registration order, so buffers
@@ -132,7 +133,6 @@ import contextlib
 import gc
 import heapq
 import math
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import islice
@@ -147,11 +147,11 @@ from .flat import CHUNK_ALIGNMENT, plan_flat
 from .sharing import share_among_replicas
 
 
-def _validate(specs: Sequence[ParamSpec], dp: int, bucket_size: int, what: str = "group_size") -> None:
-    """``what``: the name ``dp`` has for the caller (``group_size``: the ranks a plan is made for; ``dp``: the
+def _validate(specs: Sequence[ParamSpec], ranks: int, bucket_size: int, what: str = "group_size") -> None:
+    """``what``: the name ``ranks`` has for the caller (``group_size``: the ranks a plan is made for; ``dp``: the
     data-parallel size an owner group size is chosen in)."""
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"{what}={dp!r} is not a valid number of ranks; pass an integer >= 1.")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"{what}={ranks!r} is not a valid number of ranks; pass an integer >= 1.")
     if not is_bucket_size(bucket_size):
         raise ValueError(
             f"bucket_size={bucket_size!r} must be a positive number of elements; "
@@ -187,47 +187,40 @@ def _without_cycle_collection():
 
 def plan_layout(
     specs: Iterable[ParamSpec],
-    group_size: int | None = None,
+    group_size: int,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     cost: Callable[[ParamSpec], float] = newton_schulz_cost,
-    expert_dp: int | None = None,
+    expert_group_size: int | None = None,
     replicas: int = 1,
     expert_replicas: int = 1,
     *,
     follow_layers: bool = False,
-    dp: int | None = None,
 ) -> Layout:
     """Plans buffers, buckets, shards and owners for ``specs`` given in registration order, for an owner group of
     ``group_size`` ranks (the whole data-parallel group without owner groups).
 
     See the notes in this module's docstring for the guarantees. ``cost`` weighs
     the parameters owned whole; an element-wise one costs its element count.
-    ``expert_dp``: plan ``kind="expert"`` buffers for this many ranks (the expert
+    ``expert_group_size``: plan ``kind="expert"`` buffers for this many ranks (the expert
     data-parallel group, Note [expert parallelism] in ``engine/process_groups.py``)
     instead of ``group_size``; owner indices in those buffers are positions in that group.
     ``replicas``: the data-parallel group has ``group_size * replicas`` ranks, and the dense buffers' stepping
     is shared among the ``replicas`` owner groups (:func:`share_among_replicas`); ``expert_replicas``: the
-    same for the expert buffers, ``expert_dp`` then being an owner group of the expert data-parallel group.
-    ``dp``: the former name of ``group_size``.
+    same for the expert buffers, ``expert_group_size`` then being the size of an owner group of the expert
+    data-parallel group.
     """
-    if dp is not None:
-        if group_size is not None:
-            raise TypeError("plan_layout() got both group_size and dp (its former name); pass group_size only.")
-        warnings.warn("plan_layout(dp=...) is now plan_layout(group_size=...): the ranks the plan is made for.",
-                      DeprecationWarning, stacklevel=2)
-        group_size = dp
-    if group_size is None:
-        raise TypeError("plan_layout() needs group_size: the ranks the plan is made for.")
     with _without_cycle_collection():
-        return _plan_layout(list(specs), group_size, bucket_size, cost, expert_dp, replicas, expert_replicas,
-                            follow_layers)
+        return _plan_layout(list(specs), group_size, bucket_size, cost, expert_group_size, replicas,
+                            expert_replicas, follow_layers)
 
 
-def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callable[[ParamSpec], float],
-                 expert_dp: int | None, replicas: int, expert_replicas: int, follow_layers: bool = False) -> Layout:
-    _validate(specs, dp, bucket_size)
-    if expert_dp is not None and (isinstance(expert_dp, bool) or not isinstance(expert_dp, int) or expert_dp < 1):
-        raise ValueError(f"expert_dp={expert_dp!r} is not a valid expert data-parallel size; pass an integer >= 1.")
+def _plan_layout(specs: list[ParamSpec], group_size: int, bucket_size: int, cost: Callable[[ParamSpec], float],
+                 expert_group_size: int | None, replicas: int, expert_replicas: int,
+                 follow_layers: bool = False) -> Layout:
+    _validate(specs, group_size, bucket_size)
+    experts = expert_group_size
+    if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
+        raise ValueError(f"expert_group_size={experts!r} is not a valid number of ranks; pass an integer >= 1.")
     costs = {s.name: float(numel_cost(s) if s.elementwise else cost(s)) for s in specs}
 
     # One buffer per (dtype, kind), in order of first appearance.
@@ -239,8 +232,8 @@ def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callab
     slots: dict[str, ParamSlot] = {}
     rank_costs: dict[int, list[float]] = {}  # per group size, carried across buffers (Note [owner balancing])
     for buffer_index, ((dtype, kind), members) in enumerate(groups.items()):
-        expert_family = kind == "expert" and expert_dp is not None
-        ranks = expert_dp if expert_family else dp
+        expert_family = kind == "expert" and expert_group_size is not None
+        ranks = expert_group_size if expert_family else group_size
         queue = list(reversed(members))  # backward order
         rank_cost = rank_costs.get(ranks, [0.0] * ranks)
         buckets, located, pieces, rank_costs[ranks] = _plan_buffer_with_fill(
@@ -252,12 +245,12 @@ def _plan_layout(specs: list[ParamSpec], dp: int, bucket_size: int, cost: Callab
         buffers.append(BufferPlan(buffer_index, dtype, kind, numel, tuple(buckets), ranks))
 
     ordered = {s.name: slots[s.name] for s in specs}
-    layout = Layout(dp, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
-    return share_among_replicas(layout, specs, replicas, expert_groups=expert_dp is not None,
+    layout = Layout(group_size, bucket_size, tuple(buffers), MappingProxyType(ordered), MappingProxyType(costs))
+    return share_among_replicas(layout, specs, replicas, expert_groups=expert_group_size is not None,
                                 expert_replicas=expert_replicas)
 
 
-def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+def _plan_buffer_with_fill(queue: list[ParamSpec], group_size: int, bucket_size: int, costs: Mapping[str, float],
                            rank_cost: list[float], replicas: int = 1, follow_layers: bool = False):
     """One buffer (``queue`` in backward order): whole parameters packed, element-wise ones poured
     into the gaps and the rest in flat buckets (Note [element-wise fill]). Returns the buckets, per
@@ -271,20 +264,20 @@ def _plan_buffer_with_fill(queue: list[ParamSpec], dp: int, bucket_size: int, co
     """
     def plan(whole: list[ParamSpec], elementwise: list[ParamSpec]):
         cost = list(rank_cost)
-        buckets, placed, cost = _plan_buffer(whole, dp, bucket_size, costs, cost) if whole else ([], {}, cost)
+        buckets, placed, cost = _plan_buffer(whole, group_size, bucket_size, costs, cost) if whole else ([], {}, cost)
         numel = {s.name: s.numel for s in queue}
         pieces = {name: (Piece(owner, 0, numel[name]),) for name, (_, _, owner) in placed.items()}
         located = {name: (bucket, offset) for name, (bucket, offset, _) in placed.items()}
         if elementwise:
             buckets, rest = _pour(buckets, elementwise, queue, located, pieces, cost, costs)
             start = buckets[-1].end if buckets else 0
-            buckets = buckets + plan_flat(rest, dp, bucket_size, start, len(buckets), located, pieces, cost, costs,
-                                          replicas, follow_layers)
+            buckets = buckets + plan_flat(rest, group_size, bucket_size, start, len(buckets), located, pieces, cost,
+                                          costs, replicas, follow_layers)
         return buckets, located, pieces, cost
 
     elementwise = [s for s in queue if s.elementwise]
     filled = plan([s for s in queue if not s.elementwise], elementwise)
-    if not elementwise or dp == 1:
+    if not elementwise or group_size == 1:
         return filled
     whole = plan(queue, [])
     return whole if whole[0][-1].end < filled[0][-1].end else filled
@@ -349,7 +342,7 @@ def _pour(buckets: list[BucketPlan], elementwise: list[ParamSpec], queue: list[P
 
 
 def _plan_buffer(
-    queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float], rank_cost: Sequence[float]
+    queue: list[ParamSpec], group_size: int, bucket_size: int, costs: Mapping[str, float], rank_cost: Sequence[float]
 ) -> tuple[list[BucketPlan], dict[str, tuple[int, int, int]], list[float]]:
     """Packs one buffer; ``queue`` is in backward order. See Note [tail gaps].
 
@@ -357,23 +350,23 @@ def _plan_buffer(
     Returns the buckets, per parameter name (bucket, offset, owner), and the
     rank costs including this buffer.
     """
-    best = _search(queue, dp, bucket_size, costs, rank_cost, frozenset())
+    best = _search(queue, group_size, bucket_size, costs, rank_cost, frozenset())
     # Note [leftovers]: the same search with size-class leftovers reserved as fill; kept only if
     # it pads less.
-    reserved = _reserve_leftovers(queue, dp)
+    reserved = _reserve_leftovers(queue, group_size)
     if reserved:
-        candidate = _search(queue, dp, bucket_size, costs, rank_cost, reserved)
+        candidate = _search(queue, group_size, bucket_size, costs, rank_cost, reserved)
         if candidate.padding < best.padding:
             best = candidate
     return best.buckets, best.placed, best.rank_cost
 
 
-def _search(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+def _search(queue: list[ParamSpec], group_size: int, bucket_size: int, costs: Mapping[str, float],
             rank_cost: Sequence[float], reserved: frozenset[str]) -> _Packing:
     """One packing pass, then solo seeds one by one while total padding drops. See Note [tail gaps]."""
     position = {s.name: i for i, s in enumerate(queue)}
     solo: tuple[str, ...] = ()
-    best = _pack(queue, dp, bucket_size, costs, solo, len(queue), rank_cost, reserved)
+    best = _pack(queue, group_size, bucket_size, costs, solo, len(queue), rank_cost, reserved)
     for _ in range(_MAX_SOLO_SEEDS):
         # Only seeds inside the last bucket, after its first parameter, may move to the tail.
         tail_start = min(position[n] for n in best.buckets[-1].params)
@@ -382,7 +375,7 @@ def _search(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[st
                         key=lambda kv: kv[1], default=(None, 0))
         if seed is None or gap == 0:
             break
-        candidate = _pack(queue, dp, bucket_size, costs, solo + (seed,), tail_start, rank_cost, reserved)
+        candidate = _pack(queue, group_size, bucket_size, costs, solo + (seed,), tail_start, rank_cost, reserved)
         if candidate.padding >= best.padding:
             break
         best, solo = candidate, solo + (seed,)
@@ -392,7 +385,7 @@ def _search(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[st
 _MAX_SOLO_SEEDS = 8
 
 
-def _fill_fits(sizes: list[int], count: Mapping[int, int], fill: Mapping[int, int], dp: int) -> bool:
+def _fill_fits(sizes: list[int], count: Mapping[int, int], fill: Mapping[int, int], group_size: int) -> bool:
     """Whether ``fill[z]`` parameters of each size class ``z`` in ``sizes`` (largest first) fit into the free
     shards of the short rounds before them, packed first shard first (Note [leftovers])."""
     bins: list[list[int]] = []  # [room, number of shards with that room], in order of creation
@@ -420,24 +413,24 @@ def _fill_fits(sizes: list[int], count: Mapping[int, int], fill: Mapping[int, in
             i += len(parts) - (full < n)
         if left:
             return False
-        short = (count[z] - fill[z]) % dp
+        short = (count[z] - fill[z]) % group_size
         if short:
-            bins.append([z, dp - short])
+            bins.append([z, group_size - short])
     return True
 
 
-def _reserve_leftovers(queue: list[ParamSpec], dp: int) -> frozenset[str]:
+def _reserve_leftovers(queue: list[ParamSpec], group_size: int) -> frozenset[str]:
     """Which parameters to keep out of rounds of their own and use as fill. See Note [leftovers].
 
     Simulates rounds by size class, largest first: a class of ``c`` parameters
-    makes ``c // dp`` full rounds, and its ``c % dp`` leftovers either fit into
+    makes ``c // group_size`` full rounds, and its ``c % group_size`` leftovers either fit into
     the free shards of larger classes' short rounds or form a short round whose
     free shards smaller classes can use. Then, largest class first, whole
-    groups of ``dp`` are moved from full rounds into free shards while
+    groups of ``group_size`` are moved from full rounds into free shards while
     everything still fits. Returns the reserved names: per class, the last ones
     in backward order.
     """
-    if dp == 1:
+    if group_size == 1:
         return frozenset()
     classes: dict[int, list[str]] = defaultdict(list)
     for s in queue:
@@ -447,24 +440,24 @@ def _reserve_leftovers(queue: list[ParamSpec], dp: int) -> frozenset[str]:
     fill = {z: 0 for z in sizes}
 
     def fits(upto: int) -> bool:
-        return _fill_fits(sizes[:upto], count, fill, dp)
+        return _fill_fits(sizes[:upto], count, fill, group_size)
 
     for i, z in enumerate(sizes):
-        fill[z] = count[z] % dp
+        fill[z] = count[z] % group_size
         if not fits(i + 1):
             fill[z] = 0
     leftover = dict(fill)
 
     def add_groups(start: int) -> None:
         for z in sizes[start:]:
-            while fill[z] + dp <= count[z]:
-                fill[z] += dp
+            while fill[z] + group_size <= count[z]:
+                fill[z] += group_size
                 if not fits(len(sizes)):
-                    fill[z] -= dp
+                    fill[z] -= group_size
                     break
 
     def rounds_length() -> int:
-        return sum(-(-(count[z] - fill[z]) // dp) * z for z in sizes)
+        return sum(-(-(count[z] - fill[z]) // group_size) * z for z in sizes)
 
     add_groups(0)
     # Greedy largest-first can spend free shards on a large class and leave a smaller one a
@@ -474,10 +467,10 @@ def _reserve_leftovers(queue: list[ParamSpec], dp: int) -> frozenset[str]:
     while improved:
         improved = False
         for j, z in enumerate(sizes):
-            if fill[z] - dp < leftover[z]:
+            if fill[z] - group_size < leftover[z]:
                 continue
             saved = dict(fill)
-            fill[z] -= dp
+            fill[z] -= group_size
             for y in sizes[j + 1:]:
                 fill[y] = leftover[y]
             add_groups(j + 1)
@@ -508,7 +501,7 @@ _Round = list[list[ParamSpec]]
 """A round's contents: the parameters of each shard."""
 
 
-def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+def _pack(queue: list[ParamSpec], group_size: int, bucket_size: int, costs: Mapping[str, float],
           solo: tuple[str, ...], tail_start: int, initial_cost: Sequence[float] | None = None,
           reserved: frozenset[str] = frozenset()) -> _Packing:
     """One packing pass over ``queue`` (backward order); the steps are :class:`_Packer`'s.
@@ -520,7 +513,7 @@ def _pack(queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str,
     reserved, and when there are any, shards without a peer are filled with
     reserved parameters only, largest first.
     """
-    packer = _Packer(queue, dp, bucket_size, costs, initial_cost, reserved)
+    packer = _Packer(queue, group_size, bucket_size, costs, initial_cost, reserved)
     tail_rounds = packer.solo_rounds(solo, tail_start)
     for contents in packer.rounds(tail_rounds):
         packer.place(contents)
@@ -537,10 +530,10 @@ class _Packer:
     they are formed; the two sides share nothing but the rounds.
     """
 
-    def __init__(self, queue: list[ParamSpec], dp: int, bucket_size: int, costs: Mapping[str, float],
+    def __init__(self, queue: list[ParamSpec], group_size: int, bucket_size: int, costs: Mapping[str, float],
                  initial_cost: Sequence[float] | None, reserved: frozenset[str]) -> None:
         self.queue = queue
-        self.dp = dp
+        self.group_size = group_size
         self.bucket_size = bucket_size
         self.costs = costs
         self.reserved = reserved
@@ -554,7 +547,7 @@ class _Packer:
             (self.spare if s.name in reserved else self.by_size)[aligned(s.numel)][s.name] = None
         self.cursor = 0  # every parameter before queue[cursor] is packed
         # What the pass returns (see _Packing).
-        self.rank_cost = [0.0] * dp if initial_cost is None else list(initial_cost)
+        self.rank_cost = [0.0] * group_size if initial_cost is None else list(initial_cost)
         self.placed: dict[str, tuple[int, int, int]] = {}  # name -> (bucket, offset, owner)
         self.gaps: dict[str, int] = {}
         self.buckets: list[BucketPlan] = []
@@ -623,7 +616,7 @@ class _Packer:
         pools = (self.spare[size], self.by_size[size]) if seed.name in self.reserved else (self.by_size[size],)
         take = self.take
         for peers in pools:
-            for name in list(islice(peers, self.dp - len(contents))):
+            for name in list(islice(peers, self.group_size - len(contents))):
                 contents.append([take(name)])
         # Shards without a peer: pack smaller parameters greedily, in backward order.
         self.fill(seed, contents, self.backward, self.position[seed.name])
@@ -638,7 +631,7 @@ class _Packer:
         (:meth:`fill_reserved`); otherwise ``candidates`` do (:meth:`fill_greedy`).
         """
         length = aligned(seed.numel)
-        free = self.dp - len(contents)
+        free = self.group_size - len(contents)
         if self.reserved:
             shards, gap = self.fill_reserved(length, free, after)
         else:
@@ -694,16 +687,16 @@ class _Packer:
         """Adds a round to the open bucket, its shards given to ranks by :func:`_assign_round`
         (Note [owner balancing]). A round that alone exceeds the bucket size gets a bucket of
         its own; a bucket closes once it reaches the bucket size."""
-        dp, costs, rank_cost = self.dp, self.costs, self.rank_cost
+        group_size, costs, rank_cost = self.group_size, self.costs, self.rank_cost
         length = aligned(contents[0][0].numel)  # the seed's
-        if length * dp > self.bucket_size:
+        if length * group_size > self.bucket_size:
             self.close_bucket()  # the round alone exceeds the bucket size: a bucket of its own
         assigned = _assign_round(length, contents, rank_cost, costs, self.position)
         for rank, members in enumerate(assigned):
             rank_cost[rank] += sum(costs[s.name] for s in members)
         self.open_rounds.append((length, assigned))
         self.shard_fill += length
-        if self.shard_fill * dp >= self.bucket_size:
+        if self.shard_fill * group_size >= self.bucket_size:
             self.close_bucket()
 
     def close_bucket(self) -> None:
@@ -713,8 +706,8 @@ class _Packer:
         if not self.open_rounds:
             return
         index = len(self.buckets)
-        start, shard_size, dp, placed = self.bucket_start, self.shard_fill, self.dp, self.placed
-        used = [0] * dp  # elements used in each rank's shard
+        start, shard_size, group_size, placed = self.bucket_start, self.shard_fill, self.group_size, self.placed
+        used = [0] * group_size  # elements used in each rank's shard
         names: list[tuple[int, str]] = []
         for length, contents in self.open_rounds:
             for rank, members in enumerate(contents):
@@ -724,8 +717,8 @@ class _Packer:
                     names.append((offset, spec.name))
                     offset += aligned(spec.numel)
                 used[rank] += length
-        end = start + dp * shard_size
-        self.buckets.append(BucketPlan(index, start, end, dp, tuple(n for _, n in sorted(names))))
+        end = start + group_size * shard_size
+        self.buckets.append(BucketPlan(index, start, end, group_size, tuple(n for _, n in sorted(names))))
         self.bucket_start, self.shard_fill, self.open_rounds = end, 0, []
 
 
@@ -737,14 +730,14 @@ def _assign_round(length: int, contents: list[list[ParamSpec]], rank_cost: Seque
     one parameter per shard only chooses ranks (costliest shard to the least
     loaded rank); a round with fuller shards is re-packed by :func:`_balance_round`.
     """
-    dp = len(rank_cost)
+    group_size = len(rank_cost)
     if any(len(members) > 1 for members in contents):
         balanced = _balance_round(length, [s for ms in contents for s in ms], rank_cost, costs, position)
         if balanced is not None:
             return balanced
-    order = sorted(range(dp), key=lambda i: (-sum(costs[s.name] for s in contents[i]), i))
-    ranks = sorted(range(dp), key=lambda r: (rank_cost[r], r))
-    assigned: list[list[ParamSpec]] = [[] for _ in range(dp)]
+    order = sorted(range(group_size), key=lambda i: (-sum(costs[s.name] for s in contents[i]), i))
+    ranks = sorted(range(group_size), key=lambda r: (rank_cost[r], r))
+    assigned: list[list[ParamSpec]] = [[] for _ in range(group_size)]
     for rank, i in zip(ranks, order):
         assigned[rank] = contents[i]
     return assigned
@@ -759,13 +752,13 @@ def _balance_round(length: int, members: list[ParamSpec], rank_cost: Sequence[fl
     may open an empty shard only while enough stay empty for the whole-shard
     parameters still to come. Each shard keeps its parameters in backward order.
     """
-    dp = len(rank_cost)
+    group_size = len(rank_cost)
     whole = sum(aligned(s.numel) == length for s in members)
-    room = [length] * dp
+    room = [length] * group_size
     load = list(rank_cost)
-    empty = dp
-    assigned: list[list[ParamSpec]] = [[] for _ in range(dp)]
-    heap = [(load[r], r) for r in range(dp)]  # one entry per rank with room left
+    empty = group_size
+    assigned: list[list[ParamSpec]] = [[] for _ in range(group_size)]
+    heap = [(load[r], r) for r in range(group_size)]  # one entry per rank with room left
     heapq.heapify(heap)
     for spec in sorted(members, key=lambda s: (-costs[s.name], -s.numel, position[s.name])):
         need = aligned(spec.numel)

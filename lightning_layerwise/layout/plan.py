@@ -5,11 +5,11 @@ A :class:`Layout` holds, per buffer, its buckets and, per parameter, its
 The planner sees parameters only as :class:`ParamSpec` records.
 
 Note [shard alignment]
-    A bucket of length ``L`` is split into ``dp`` shards of ``L / dp`` elements;
-    rank ``r`` reduces into and gathers from shard ``r``. Layer-wise optimizers
-    such as Muon need a *whole* matrix on one rank, so no parameter may cross a
-    shard boundary: each parameter lies inside exactly one shard, and that
-    shard's rank is its *owner*. Every parameter starts on a 64-element boundary
+    A bucket of length ``L`` is split into ``n`` shards of ``L / n`` elements, ``n`` the
+    ranks it is planned for (:attr:`BucketPlan.shards`); rank ``r`` reduces into and
+    gathers from shard ``r``. Layer-wise optimizers such as Muon need a *whole* matrix
+    on one rank, so no parameter may cross a shard boundary: each parameter lies inside
+    exactly one shard, and that shard's rank is its *owner*. Every parameter starts on a 64-element boundary
     (:data:`ALIGNMENT`) so views into the buffer stay aligned for vectorized
     kernels and NCCL.
 """
@@ -179,11 +179,6 @@ class BucketPlan:
         return self.end - self.start
 
     @property
-    def dp(self) -> int:
-        """The former name of :attr:`shards`."""
-        return self.shards
-
-    @property
     def shard_size(self) -> int:
         return self.numel // self.shards
 
@@ -224,11 +219,6 @@ class BufferPlan:
     """Ranks its buckets' shards are spread over: the layout's :attr:`Layout.group_size` for dense buffers,
     the expert owner group's size for expert buffers."""
 
-    @property
-    def dp(self) -> int:
-        """The former name of :attr:`shards`."""
-        return self.shards
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -248,11 +238,6 @@ class Layout:
     expert_replicas: int = 1
     """The same for the expert buffers, inside the expert data-parallel group: an expert piece's owner is
     ``replica * g_e + position`` for expert buffers planned for ``g_e`` ranks."""
-
-    @property
-    def dp(self) -> int:
-        """The former name of :attr:`group_size`."""
-        return self.group_size
 
     @property
     def ranks(self) -> int:

@@ -73,7 +73,7 @@ def _gpt_worker(rank: int, world: int, opt_names: list[str], owner_group_size: i
             "state_elements": sum(v.numel() for s in opt.state.values() for v in s.values()
                                   if torch.is_tensor(v) and v.dim() >= 1),
             "padding": ddp.layout.padding_fraction,
-            "layout_dp": ddp.layout.dp,
+            "layout_group_size": ddp.layout.group_size,
             "owned": sorted(n for n, _ in ddp.named_owned_parameters()),
         }
     return out
@@ -316,7 +316,7 @@ def test_four_ranks_as_two_owner_groups_of_two_equal_one_process(opt_name, late_
     if late_ms is not None:
         assert_bitwise(results, [r[opt_name] for r in gpt_run(4, 2)], f"{opt_name}, 2 x 2, late collectives")
     print(f"{opt_name} 2x2: max rel err {worst:.2e}, split {results[0]['split']}")
-    assert all(r["layout_dp"] == 2 for r in results)
+    assert all(r["layout_group_size"] == 2 for r in results)
     assert results[0]["split"], "element-wise fill inside the owner groups"
     # Note [replica sharing]: the two groups share each shard's stepping, so every element is stepped (and
     # holds optimizer state) on exactly one of the four ranks, and no parameter owned whole on two.

@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, E: int, opt_names: list[str], owner_group_siz
         local = NUM_EXPERTS // E
         out[opt_name] = {"params": global_names(model, groups.expert_parallel_rank * local),
                          "expert_rank": groups.expert_parallel_rank,
-                         "expert_buffers": [b.dp for b in ddp.layout.buffers if b.kind == "expert"]}
+                         "expert_buffers": [b.shards for b in ddp.layout.buffers if b.kind == "expert"]}
         groups.destroy()
     return out
 

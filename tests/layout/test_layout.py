@@ -41,7 +41,7 @@ def spec_lists(draw, max_params=40):
 
 
 def check_invariants(specs: list[ParamSpec], layout) -> None:
-    dp = layout.dp
+    dp = layout.group_size
     assert set(layout.params) == {s.name for s in specs}
     by_name = {s.name: s for s in specs}
     # one buffer per (dtype, kind), holding exactly those params
@@ -192,7 +192,7 @@ def test_dp1_is_one_shard_with_everything_owned_by_rank0():
     specs = transformer_specs(2, 64)
     layout = plan_layout(specs, 1, bucket_size=10_000)
     assert all(s.owner == 0 for s in layout.params.values())
-    assert layout.dp == 1
+    assert layout.group_size == 1
 
 
 def test_tied_parameter_appears_once():
@@ -219,7 +219,7 @@ def test_summary_reports_padding_and_costs():
 
 
 def test_cli_prints_layout(capsys):
-    from lightning_layerwise.layout.cli import _main
+    from lightning_layerwise.layout_cli import _main
 
     _main(["tests.layout.test_layout:_tiny_model", "--dp", "2", "3"])
     out = capsys.readouterr().out
@@ -242,16 +242,6 @@ def _tiny_model():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_layout([ParamSpec("w", (4, 4))], **kwargs)
-
-
-def test_the_former_argument_name_dp_still_plans_and_says_so():
-    specs = [ParamSpec("w", (4, 4)), ParamSpec("b", (4,))]
-    with pytest.warns(DeprecationWarning, match=r"plan_layout\(dp=...\) is now plan_layout\(group_size=...\)"):
-        old = plan_layout(specs, dp=2, bucket_size=4096)
-    new = plan_layout(specs, group_size=2, bucket_size=4096)
-    assert old.group_size == old.dp == 2 and dict(old.params) == dict(new.params)
-    with pytest.raises(TypeError, match="both group_size and dp"):
-        plan_layout(specs, 2, dp=2)
 
 
 def test_duplicate_and_empty_specs_rejected():
@@ -354,7 +344,7 @@ def mixed_spec_lists(draw, max_params=40):
 
 
 def check_fill_invariants(specs: list[ParamSpec], layout) -> None:
-    dp = layout.dp
+    dp = layout.group_size
     by_name = {s.name: s for s in specs}
     assert set(layout.params) == set(by_name)
     for buf in layout.buffers:
@@ -445,7 +435,7 @@ def test_chosen_owner_group_size_is_the_largest_on_a_node_that_pads_at_most_one_
     ranks per node (with one rank per node: all ranks, then one) whose buffers exceed the unpadded
     parameters by at most 1%, else the least bytes."""
     g, layout = choose_owner_group_size(specs, dp, bucket_size, ranks_per_node=per_node)
-    assert dp % g == 0 and layout.dp == g and layout.replicas == dp // g
+    assert dp % g == 0 and layout.group_size == g and layout.replicas == dp // g
     check_fill_invariants(specs, layout)  # every element once, no whole matrix across a shard, equal shards
     assert layout == plan_layout(specs, g, bucket_size, replicas=dp // g), "the plan the wrapper makes"
     node = per_node or DEFAULT_RANKS_PER_NODE
@@ -492,7 +482,7 @@ def test_owner_group_choice_weighs_experts_as_the_wrapper_plans_them():
     dense = [ParamSpec(f"d{i}", (512, 512)) for i in range(8)]
     experts = [ParamSpec(f"e{i}", (256, 512), kind="expert") for i in range(6)]
     as_dense = [ParamSpec(s.name, s.shape) for s in experts]
-    g_marked, layout = choose_owner_group_size(dense + experts, 16, 2**20, ranks_per_node=8, expert_dp=2)
+    g_marked, layout = choose_owner_group_size(dense + experts, 16, 2**20, ranks_per_node=8, expert_dp_size=2)
     g_dense_only, _ = choose_owner_group_size(dense + as_dense, 16, 2**20, ranks_per_node=8)
     assert (g_marked, g_dense_only) == (8, 2)
     assert {b.kind for b in layout.buffers} == {"dense", "expert"}

@@ -66,7 +66,7 @@ def check_shared(specs: list[ParamSpec], layout) -> None:
     ``R`` equal chunks of element-wise elements, or nothing for a padding-only shard), unless split for balance
     into whole parameters, each replica's in one range; chunks tile every shard; a matrix is never cut;
     parameters inside their shard, aligned, disjoint."""
-    g, R = layout.dp, layout.replicas
+    g, R = layout.group_size, layout.replicas
     elementwise = {s.name: s.elementwise for s in specs}
     for plan in layout.buffers:
         for bucket in plan.buckets:
@@ -290,7 +290,7 @@ def _worker(rank: int, world: int, g: int, opt_names: list[str], accumulate: boo
         ddp.finish_param_sync()
         state = sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
         out[opt_name] = {"params": snapshot(model), "ns": counter.per_step, "norms": norms,
-                         "matrices": muon_matrices(model), "replicas": ddp.replicas, "g": ddp.layout.dp,
+                         "matrices": muon_matrices(model), "replicas": ddp.replicas, "g": ddp.layout.group_size,
                          "state_elements": state}
         groups.destroy()
     return out

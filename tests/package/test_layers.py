@@ -24,9 +24,9 @@ _LAYER_OF = {
     "layout": "layout",
     "engine": "engine",
     "checkpoint": "checkpoint",
-    "config": "session", "session": "session",
-    "lightning": "lightning", "strategy": "lightning", "fabric": "lightning",
-    "testing": "entry", "__init__": "entry", "__main__": "entry",
+    "config": "session", "session": "session", "session_checkpoints": "session",
+    "lightning": "lightning",
+    "testing": "entry", "__init__": "entry", "__main__": "entry", "layout_cli": "entry",
 }
 
 

@@ -58,7 +58,7 @@ def _plan_once_worker(rank: int, world: int, E: int, opt_name: str) -> dict:
     session.sync_parameters()
     layout = session.wrapper.layout
     out = {"handed_down": len(chosen) == 1 and layout is chosen[0], "owner_size": session.groups.owner_size,
-           "expert_buffers": [b.dp for b in layout.buffers if b.kind == "expert"],
+           "expert_buffers": [b.shards for b in layout.buffers if b.kind == "expert"],
            "split": sorted(n for n, s in layout.params.items() if s.split),
            "params": global_names(model, session.expert_parallel_rank * (NUM_EXPERTS // E))}
     session.release()

@@ -1,22 +1,12 @@
-"""``python -m lightning_layerwise layout``: a model's layout, printed, without a process group.
+"""``python -m lightning_layerwise [MODEL]``: a model's layout at several data-parallel sizes, printed, without a
+process group (:func:`~lightning_layerwise.layout.describe_layout` for each).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
-import torch
-
-from .packing import plan_layout
-from .plan import DEFAULT_BUCKET_SIZE, ParamSpec, newton_schulz_cost, numel_cost, param_specs
-
-
-def describe_layout(module: torch.nn.Module, dp: int, bucket_size: int = DEFAULT_BUCKET_SIZE,
-                    cost: Callable[[ParamSpec], float] = newton_schulz_cost,
-                    elementwise: Callable[[str, torch.nn.Parameter], bool] | None = None) -> str:
-    """Plans ``module`` at ``dp`` ranks and returns the layout's summary (``elementwise``: which
-    parameters may be split, as for :func:`param_specs`)."""
-    return plan_layout(param_specs(module, elementwise=elementwise), dp, bucket_size, cost).summary()
+from .layout import DEFAULT_BUCKET_SIZE, describe_layout, newton_schulz_cost, numel_cost
 
 
 def _main(argv: Sequence[str] | None = None) -> None:
@@ -45,7 +35,7 @@ def _main(argv: Sequence[str] | None = None) -> None:
     cost_fn = newton_schulz_cost if args.cost == "newton_schulz" else numel_cost
     elementwise = None
     if args.optimizer == "muon":
-        from ..optim.param_groups import route_parameters
+        from .optim.param_groups import route_parameters
 
         adamw = {r.name for r in route_parameters(model) if not r.use_muon}
         elementwise = lambda name, p: name in adamw  # noqa: E731

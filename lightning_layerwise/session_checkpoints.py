@@ -2,7 +2,8 @@
 
 A :class:`~lightning_layerwise.LayerwiseSession` holds one :class:`SessionCheckpoints`
 (``session.checkpoints``). The formats (``checkpoint/formats.py``) see it only through
-:class:`CheckpointHost`, the few things a format needs of the run it saves and loads.
+:class:`~lightning_layerwise.checkpoint.formats.CheckpointHost`, the few things a format needs of the run it
+saves and loads.
 The adapters hand it their checkpoint dictionaries: the Trainer its own, Fabric its
 state with the roles of its keys (:meth:`SessionCheckpoints.restore`), a plain loop
 :meth:`~lightning_layerwise.LayerwiseSession.save_checkpoint`'s; none of them branches on
@@ -13,49 +14,26 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
-from ..experts import expert_key_predicate, grouped_expert_paths
-from .files import TorchFileIO, is_local_path, resolve
-from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
-from .named_state import local_optimizer_state, named_optimizer_state
-from .ownership import CheckpointError, Ownership
+from .checkpoint.files import TorchFileIO, is_local_path, resolve
+from .checkpoint.formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
+from .checkpoint.named_state import local_optimizer_state, named_optimizer_state
+from .checkpoint.ownership import CheckpointError, Ownership
+from .experts import expert_key_predicate, grouped_expert_paths
 
 if TYPE_CHECKING:
-    from ..session import LayerwiseSession
-
-
-class CheckpointHost(Protocol):
-    """What a :class:`~lightning_layerwise.checkpoint.formats.CheckpointFormat` needs of the run it saves and
-    loads."""
-
-    name: str
-    """Who is saving, for error messages (``LayerwiseStrategy``, ``LayerwiseSession``…)."""
-    module: Optional[nn.Module]
-    is_global_zero: bool
-    checkpoint_format: str
-    expert_parallel_size: int
-
-    def ownership(self) -> Ownership: ...
-
-    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
-
-    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
-
-    def naming_failures(self, phase: str) -> ContextManager[None]: ...
-
-    def layout_meta(self) -> dict[str, Any]: ...
-
-    def after_model_load(self) -> None: ...
+    from .session import LayerwiseSession
 
 
 class SessionCheckpoints:
-    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a :class:`CheckpointHost`."""
+    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a
+    :class:`~lightning_layerwise.checkpoint.formats.CheckpointHost`."""
 
     def __init__(self, session: "LayerwiseSession") -> None:
         self.session = session
