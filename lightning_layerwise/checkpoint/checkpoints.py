@@ -2,7 +2,7 @@
 
 A :class:`~lightning_layerwise.LayerwiseSession` holds one :class:`SessionCheckpoints`
 (``session.checkpoints``). The formats (``checkpoint/formats.py``) see it only through
-:class:`CheckpointHost`, the few things a format needs of the run it saves and loads.
+:class:`~.formats.CheckpointHost`, the few things a format needs of the run it saves and loads.
 The adapters hand it their checkpoint dictionaries: the Trainer its own, Fabric its
 state with the roles of its keys (:meth:`SessionCheckpoints.restore`), a plain loop
 :meth:`~lightning_layerwise.LayerwiseSession.save_checkpoint`'s; none of them branches on
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -22,42 +22,38 @@ from torch.optim import Optimizer
 
 from ..experts import expert_key_predicate, grouped_expert_paths
 from .files import TorchFileIO, is_local_path, resolve
-from .formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
+from .formats import FORMATS, Checkpoint, CheckpointFormat, CheckpointHost, Loaded, format_on_disk
 from .named_state import local_optimizer_state, named_optimizer_state
 from .ownership import CheckpointError, Ownership
 
 if TYPE_CHECKING:
-    from ..session import LayerwiseSession
+    from ..engine.data_parallel import LayerwiseDataParallel
+    from ..engine.masters import MasterWeights
 
 
-class CheckpointHost(Protocol):
-    """What a :class:`~lightning_layerwise.checkpoint.formats.CheckpointFormat` needs of the run it saves and
-    loads."""
+class CheckpointedSession(Protocol):
+    """What :class:`SessionCheckpoints` reads of the :class:`~lightning_layerwise.LayerwiseSession` it serves (a
+    layer above this one: described here, not imported)."""
 
     name: str
-    """Who is saving, for error messages (``LayerwiseStrategy``, ``LayerwiseSession``…)."""
     module: Optional[nn.Module]
-    is_global_zero: bool
-    checkpoint_format: str
-    expert_parallel_size: int
+    config: Any
+    """The session's ``LayerwiseConfig``."""
+    env: Any
+    """The session's ``SessionEnv``."""
+    wrapper: Optional[LayerwiseDataParallel]
+    masters: Optional[MasterWeights]
 
-    def ownership(self) -> Ownership: ...
+    @property
+    def is_global_zero(self) -> bool: ...
 
-    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
-
-    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
-
-    def naming_failures(self, phase: str) -> ContextManager[None]: ...
-
-    def layout_meta(self) -> dict[str, Any]: ...
-
-    def after_model_load(self) -> None: ...
+    def sync_parameters(self) -> None: ...
 
 
 class SessionCheckpoints:
     """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a :class:`CheckpointHost`."""
 
-    def __init__(self, session: "LayerwiseSession") -> None:
+    def __init__(self, session: CheckpointedSession) -> None:
         self.session = session
         self.names: dict[torch.Tensor, str] = {}
         """Parameter (piece, master) -> checkpoint name; kept by the session's release."""

@@ -46,20 +46,42 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, ContextManager, Optional, Protocol, Union
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 from .files import commit, is_local_path, partial_path
 from .named_state import gather_named_state
-from .ownership import (MODEL_KEY, join_pieces, mark_pieces, model_entries_to_write, optimizer_key,
+from .ownership import (MODEL_KEY, Ownership, join_pieces, mark_pieces, model_entries_to_write, optimizer_key,
                         pieces_as_sharded_tensors)
 from .sharded import FORMAT, FORMAT_VERSION, read_sharded_checkpoint, save_sharded
 from ..experts import expert_key_predicate
 
-if TYPE_CHECKING:
-    from .checkpoints import CheckpointHost
+
+class CheckpointHost(Protocol):
+    """What a :class:`CheckpointFormat` needs of the run it saves and loads (``SessionCheckpoints`` in
+    ``checkpoint/checkpoints.py`` is one)."""
+
+    name: str
+    """Who is saving, for error messages (``LayerwiseStrategy``, ``LayerwiseSession``…)."""
+    module: Optional[nn.Module]
+    is_global_zero: bool
+    checkpoint_format: str
+    expert_parallel_size: int
+
+    def ownership(self) -> Ownership: ...
+
+    def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]: ...
+
+    def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]: ...
+
+    def naming_failures(self, phase: str) -> ContextManager[None]: ...
+
+    def layout_meta(self) -> dict[str, Any]: ...
+
+    def after_model_load(self) -> None: ...
 
 
 @dataclass
