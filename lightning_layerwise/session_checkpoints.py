@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, Union
 
 import torch
 from torch import nn
@@ -22,20 +22,39 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from .checkpoint.files import TorchFileIO, is_local_path, resolve
-from .checkpoint.formats import FORMATS, Checkpoint, CheckpointFormat, Loaded, format_on_disk
+from .checkpoint.formats import FORMATS, Checkpoint, CheckpointFormat, CheckpointHost, Loaded, format_on_disk
 from .checkpoint.named_state import local_optimizer_state, named_optimizer_state
 from .checkpoint.ownership import CheckpointError, Ownership
 from .experts import expert_key_predicate, grouped_expert_paths
 
 if TYPE_CHECKING:
-    from .session import LayerwiseSession
+    from .engine.data_parallel import LayerwiseDataParallel
+    from .engine.masters import MasterWeights
+
+
+class CheckpointedSession(Protocol):
+    """What :class:`SessionCheckpoints` reads of the :class:`~lightning_layerwise.LayerwiseSession` it serves
+    (described here, not imported: ``session.py`` imports this module)."""
+
+    name: str
+    module: Optional[nn.Module]
+    config: Any
+    """The session's ``LayerwiseConfig``."""
+    env: Any
+    """The session's ``SessionEnv``."""
+    wrapper: Optional[LayerwiseDataParallel]
+    masters: Optional[MasterWeights]
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def sync_parameters(self) -> None: ...
 
 
 class SessionCheckpoints:
-    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a
-    :class:`~lightning_layerwise.checkpoint.formats.CheckpointHost`."""
+    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a :class:`CheckpointHost`."""
 
-    def __init__(self, session: "LayerwiseSession") -> None:
+    def __init__(self, session: CheckpointedSession) -> None:
         self.session = session
         self.names: dict[torch.Tensor, str] = {}
         """Parameter (piece, master) -> checkpoint name; kept by the session's release."""

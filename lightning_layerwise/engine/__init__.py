@@ -10,6 +10,7 @@ wrapper that composes them (``data_parallel``; its set-up in ``wrapper_setup`` a
 the checks of the wrapped module in ``module_checks``, the ``replica_check``, and its ``release``),
 global-norm clipping (``clip``, its reductions in ``clip_reductions``) and the scoped patches that
 make torch's gradient utilities see through the sharding (``grad_utils``, which find the wrapper
-behind a tensor in ``live_wrappers``).
+behind a tensor in ``live_wrappers``); every patch of torch's and Lightning's objects goes through
+``patches``.
 Nothing here imports Lightning.
 """

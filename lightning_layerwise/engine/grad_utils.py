@@ -35,8 +35,9 @@ Note [gradient utilities]
     Anything else passes straight to the original function: a call that involves no
     live wrapper's tensors costs one dictionary test. Nothing is patched by importing
     the package or by building the engine: the first hold installs the patches, the
-    last one to be released (or garbage-collected) puts every original back
-    (:func:`patched_functions` lists them). Names bound before the package
+    last one to be released (or garbage-collected) puts every original back (the
+    scope ``GRADIENT_UTILITIES`` of Note [patches] in ``engine/patches.py``, through which
+    every patch of the package goes). Names bound before the package
     was imported (``from torch.nn.utils import clip_grad_norm_``) are covered as
     well: torch's functions are replaced behind their ``no_grad`` wrapper (the
     closure cell holding the implementation), Lightning's ``grad_norm`` by its code
@@ -53,30 +54,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import clip
-from . import collectives
+from . import clip, collectives, patches
 from .data_parallel import LayerwiseDataParallel
 from .live_wrappers import _LIVE, live_wrappers, wrapper_of
+from .patches import patched_functions  # noqa: F401  an import path of it (Note [patches] in patches.py)
 
-_ORIGINAL: dict[str, Callable] = {}
-_UNDO: list[Callable[[], None]] = []  # what puts the originals back, in the order of installing
-_EXTRA: list[tuple[Callable[[], Callable[[], None]], str]] = []  # an adapter's patches: (install -> undo, what)
-_users = 0  # live holders of the patches (Note [gradient utilities]: patched while one is alive)
+_ORIGINAL: dict[str, Callable] = {}  # torch's implementations, while patched
 
-
-def register_patch(install: Callable[[], Callable[[], None]], what: str) -> None:
-    """Adds a patch installed and removed with torch's (the Lightning adapter's ``grad_norm``): ``install()``
-    patches and returns the function that undoes it. Registering patches nothing."""
-    _EXTRA.append((install, what))
-    if _users:  # registered while patched: in place until the last holder lets go, as the others
-        _UNDO.append(install())
-
-
-def patched_functions() -> list[str]:
-    """What is patched while a holder is alive, by qualified name (the list ``docs/usage.md`` gives)."""
-    names = [f"torch.nn.utils.{name}" for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm",
-                                                  "clip_grads_with_norm_")]
-    return names + ["torch.nn.Module.zero_grad"] + [what for _, what in _EXTRA]
+_TORCH = {name: patches.register(f"torch.nn.utils.{name}", "gradient utilities")
+          for name in ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")}
+_ZERO_GRAD = patches.register("torch.nn.Module.zero_grad", "gradient utilities")
 
 
 class GradientUtilities:
@@ -91,11 +78,8 @@ class GradientUtilities:
     """
 
     def __init__(self) -> None:
-        global _users
-        if _users == 0:
-            _install()
-        _users += 1
-        self._finalizer = weakref.finalize(self, _let_go)
+        patches.GRADIENT_UTILITIES.hold()
+        self._finalizer = weakref.finalize(self, patches.GRADIENT_UTILITIES.release)
 
     def release(self) -> None:
         self._finalizer()
@@ -118,46 +102,39 @@ def gradient_utilities() -> GradientUtilities:
 
 def installed() -> bool:
     """Whether the patches are in place (some hold is alive)."""
-    return _users > 0
+    return patches.GRADIENT_UTILITIES.holds > 0
 
 
-def _let_go() -> None:
-    global _users
-    _users -= 1
-    if _users == 0:
-        while _UNDO:
-            _UNDO.pop()()
+def _install_torch(name: str, replacement: Callable) -> Callable[[], patches.Undo]:
+    """The install of torch's ``name`` (its public name in ``torch.nn.utils``); see Note [gradient utilities]."""
+    private = {"get_total_norm": "_get_total_norm", "clip_grads_with_norm_": "_clip_grads_with_norm_"}.get(name, name)
 
+    def install() -> patches.Undo:
+        from torch.nn.utils import clip_grad as torch_clip
 
-def _install() -> None:
-    """Puts the sharding-aware versions in place; see Note [gradient utilities]."""
-    from torch.nn.utils import clip_grad as torch_clip
-
-    for name, replacement in (("clip_grad_norm_", _clip_grad_norm_), ("clip_grad_value_", _clip_grad_value_),
-                              ("_get_total_norm", _get_total_norm), ("_clip_grads_with_norm_", _clip_grads_with_norm_)):
-        function = getattr(torch_clip, name, None)
+        function = getattr(torch_clip, private, None)
         if function is None:
-            continue
+            return lambda: None
         cell = _implementation_cell(function)
         if cell is not None:
-            _ORIGINAL[name] = original = cell.cell_contents
-            cell.cell_contents = functools.wraps(original)(replacement)
-            _UNDO.append(functools.partial(setattr, cell, "cell_contents", original))
-        else:  # another release's layout: replace the module attribute (names bound earlier keep the original)
-            _ORIGINAL[name] = function
-            patched = functools.wraps(function)(_no_grad(replacement))
-            public = {"_get_total_norm": "get_total_norm", "_clip_grads_with_norm_": "clip_grads_with_norm_"}
-            public_name = public.get(name, name)
-            before = getattr(torch.nn.utils, public_name, None)
-            setattr(torch_clip, name, patched)
-            setattr(torch.nn.utils, public_name, patched)
-            _UNDO.append(functools.partial(setattr, torch_clip, name, function))
-            _UNDO.append(functools.partial(setattr, torch.nn.utils, public_name, before))
+            _ORIGINAL[private] = original = cell.cell_contents
+            return _TORCH[name].set_cell(cell, functools.wraps(original)(replacement))
+        # another release's layout: replace the module attributes (names bound earlier keep the original)
+        _ORIGINAL[private] = function
+        patched = functools.wraps(function)(_no_grad(replacement))
+        undo_private = _TORCH[name].set_attribute(torch_clip, private, patched)
+        undo_public = _TORCH[name].set_attribute(torch.nn.utils, name, patched)
+
+        def undo() -> None:
+            undo_public()
+            undo_private()
+        return undo
+    return install
+
+
+def _install_zero_grad() -> patches.Undo:
     _ORIGINAL["zero_grad"] = zero_grad = nn.Module.__dict__["zero_grad"]
-    nn.Module.zero_grad = functools.wraps(zero_grad)(_module_zero_grad)
-    _UNDO.append(functools.partial(setattr, nn.Module, "zero_grad", zero_grad))
-    for install, _ in _EXTRA:
-        _UNDO.append(install())
+    return _ZERO_GRAD.set_attribute(nn.Module, "zero_grad", functools.wraps(zero_grad)(_module_zero_grad))
 
 
 def _implementation_cell(function: Callable):
@@ -293,6 +270,12 @@ def _module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
             wrapper = wrapper_of(p)
             if wrapper is not None:
                 wrapper.clear_stepped_grad(p, set_to_none)
+
+
+for _name, _replacement in (("clip_grad_norm_", _clip_grad_norm_), ("clip_grad_value_", _clip_grad_value_),
+                            ("get_total_norm", _get_total_norm), ("clip_grads_with_norm_", _clip_grads_with_norm_)):
+    patches.GRADIENT_UTILITIES.add(_install_torch(_name, _replacement))
+patches.GRADIENT_UTILITIES.add(_install_zero_grad)
 
 
 def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -> dict[str, torch.Tensor]:

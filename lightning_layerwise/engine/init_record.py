@@ -28,6 +28,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from . import patches
+
 aten = torch.ops.aten
 
 OVERWRITES = frozenset({aten.normal_, aten.uniform_, aten.fill_, aten.zero_, aten.copy_, aten.random_,
@@ -279,23 +281,31 @@ def _keep_whole(recording: Recording, fn: types.FunctionType, original: types.Fu
     return target
 
 
+def _patch_of(fn: types.FunctionType) -> patches.Patch:
+    return patches.register(f"torch.nn.init.{fn.__name__}", "init record")
+
+
+for _fn in skipping_meta():  # registered at import: patched_functions lists them
+    _patch_of(_fn)
+
+
 @contextlib.contextmanager
 def _intercept(fn: types.FunctionType, handler: Callable) -> Iterator[None]:
     """Every call of ``fn``, by whoever holds it, calls ``handler(original, args, kwargs)`` inside the block:
     ``fn``'s code is swapped for a stub calling the handler and restored at the end (a copy of the original runs
-    meanwhile). Module attributes would miss references taken at import (Hugging Face keeps torch's)."""
+    meanwhile; Note [patches] in ``patches.py``). Module attributes would miss references taken at import (Hugging
+    Face keeps torch's)."""
     original = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
     original.__kwdefaults__ = fn.__kwdefaults__
-    saved = fn.__code__, fn.__defaults__, fn.__kwdefaults__
     name = f"_layerwise_recorded_{fn.__name__}"
     fn.__globals__[name] = lambda args, kwargs: handler(original, args, kwargs)
     stub: dict = {}
     exec(f"def {fn.__name__}(*args, **kwargs):\n    return {name}(args, kwargs)\n", fn.__globals__, stub)
-    fn.__code__, fn.__defaults__, fn.__kwdefaults__ = stub[fn.__name__].__code__, None, None
+    undo = _patch_of(fn).swap_code(fn, stub[fn.__name__].__code__)
     try:
         yield
     finally:
-        fn.__code__, fn.__defaults__, fn.__kwdefaults__ = saved
+        undo()
         fn.__globals__.pop(name, None)
 
 

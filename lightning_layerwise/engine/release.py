@@ -9,20 +9,39 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
 
 from . import read_guard
-from .buffers import Bucket, ParamState
+from .buffers import Bucket, FlatBuffer, ParamState
 from .live_wrappers import _LIVE, wrapper_of
 
 if TYPE_CHECKING:
-    from .data_parallel import LayerwiseDataParallel
+    from .grad_sync import GradientSync
+    from .param_sync import ParameterSync
+    from .sharded import ShardedParameterSync
 
 
-def release_wrapper(wrapper: LayerwiseDataParallel, wait: bool = True, whole: bool = True) -> nn.Module:
+class Releasing(Protocol):
+    """What the release reads and clears of the :class:`~.data_parallel.LayerwiseDataParallel` it ends (which
+    imports this module: described here, not imported)."""
+
+    module: nn.Module
+    shard_parameters: bool
+    grad_sync: GradientSync
+    param_sync: ParameterSync | ShardedParameterSync
+    ended_by: Callable[[], object] | None
+    _param_names: dict[nn.Parameter, str]
+    _bucket_of: dict[nn.Parameter, Bucket]
+    _buckets: list[Bucket]
+    _flat_buffers: list[FlatBuffer]
+    _hook_handles: list
+    _registered: list[torch.Tensor]
+
+
+def release_wrapper(wrapper: Releasing, wait: bool = True, whole: bool = True) -> nn.Module:
     """Releases ``wrapper`` (:meth:`LayerwiseDataParallel.release`, whose arguments these are); returns its
     module."""
     own: set[nn.Parameter] = set()
@@ -51,7 +70,7 @@ def release_wrapper(wrapper: LayerwiseDataParallel, wait: bool = True, whole: bo
     return wrapper.module
 
 
-def _unshard_for_release(wrapper: LayerwiseDataParallel) -> set[nn.Parameter]:
+def _unshard_for_release(wrapper: Releasing) -> set[nn.Parameter]:
     """``release()`` with sharded parameters (Note [sharded release] in ``engine/sharded.py``): every trainable
     parameter gets its own storage holding its full value, bucket by bucket (collective). Returns them."""
     wrapper.grad_sync.zero_grad_buffer()  # a released module has no gradient: the shards go before the gather
@@ -71,7 +90,7 @@ def _unshard_for_release(wrapper: LayerwiseDataParallel) -> set[nn.Parameter]:
     return own
 
 
-def _readable(wrapper: LayerwiseDataParallel, p: nn.Parameter) -> bool:
+def _readable(wrapper: Releasing, p: nn.Parameter) -> bool:
     """Whether ``p``'s values are held on this rank now (always, unless sharded and its bucket is freed)."""
     return not wrapper.shard_parameters or p in wrapper.grad_sync.stepped_whole \
         or wrapper._bucket_of[p].param_state is ParamState.READY

@@ -2,8 +2,9 @@
 patched (Note [gradient utilities] in ``engine/grad_utils.py``).
 
 Registering the patch (importing this module) patches nothing: it is put in place with torch's when a
-session wraps a model, and taken out when the last one is released. Names bound before (``from
-lightning.pytorch.utilities import grad_norm``) are covered too: the patch swaps the function's code object.
+session wraps a model, and taken out when the last one is released (Note [patches] in ``engine/patches.py``).
+Names bound before (``from lightning.pytorch.utilities import grad_norm``) are covered too: the patch swaps the
+function's code object.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from lightning.pytorch.utilities import grads as lightning_grads
 from torch import nn
 
-from ..engine import grad_utils
+from ..engine import grad_utils, patches
 from ..engine.live_wrappers import any_live
 
 _original: Callable | None = None
@@ -47,18 +48,15 @@ def _entry(module, norm_type, group_separator="/"):
     return grad_norm(module, norm_type, group_separator)
 
 
-def _install() -> Callable[[], None]:
+_PATCH = patches.register("lightning.pytorch.utilities.grad_norm", "gradient utilities")
+
+
+def _install() -> patches.Undo:
     global _original
     function = lightning_grads.grad_norm
-    code = function.__code__
-    _original = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__,
-                                   function.__closure__)
-
-    def undo() -> None:
-        function.__code__ = code
-
-    function.__code__ = _entry.__code__
-    return undo
+    _original = types.FunctionType(function.__code__, function.__globals__, function.__name__,
+                                   function.__defaults__, function.__closure__)
+    return _PATCH.swap_code(function, _entry.__code__, function.__defaults__, function.__kwdefaults__)
 
 
-grad_utils.register_patch(_install, "lightning.pytorch.utilities.grad_norm")
+patches.GRADIENT_UTILITIES.add(_install)

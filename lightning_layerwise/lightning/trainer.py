@@ -60,6 +60,7 @@ from typing_extensions import override
 from .. import checkpoint as ckpt
 from ..config import LayerwiseConfig, refuse_unknown_keywords
 from ..checkpoint.formats import Checkpoint
+from ..engine import patches
 from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
 from ..engine.sharded import ReadRules, ShardedParameterReadError
@@ -235,10 +236,9 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             steps="the Trainer's steps and Lightning's hooks (where every rank runs the same code)",
             whole_again="After trainer.fit the module stays sharded (trainer.test and trainer.save_checkpoint run "
                         "on it); llw.release(model), on every rank, gives it every parameter back whole.")
-        self._profiled: Optional[tuple[Any, Any]] = None  # (trainer, its profiler) while hooks read collectively
+        self._stage_patches: list[patches.Undo] = []  # a stage's patches of Lightning's objects, undone by teardown
         self._exit_hook: Optional[Callable[[], None]] = None  # ends a run left sharded at interpreter exit
         self._fitting = False  # the stage being set up or torn down is a fit
-        self._finetuning: list = []  # BaseFinetuning callbacks mapping through the session during a fit
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -333,14 +333,14 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
             self.session.sync_after_step = self._needs_sync_after_step(trainer)
-            self._finetuning = _finetuning_sees_parameters(trainer, self.session)
+            self._stage_patches += _finetuning_sees_parameters(trainer, self.session)
             if self.session.wrapper.shard_parameters:
                 self._read_in_hooks(trainer)
 
     def _read_in_hooks(self, trainer) -> None:
         """Reads of sharded parameters in Lightning's hooks gather (Note [collective reads])."""
-        self._profiled = (trainer, trainer.profiler)
-        trainer.profiler = _HookReads(trainer.profiler, self.session)
+        hook_reads = _HookReads(trainer.profiler, self.session)
+        self._stage_patches.append(_PROFILER.set_attribute(trainer, "profiler", hook_reads))
 
     def _on_the_sharded_run(self, fitting: bool) -> bool:
         """Whether this stage runs on the sharded run the last ``fit`` left (Note [sharded release] in
@@ -506,12 +506,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     @override
     def teardown(self) -> None:
         # Lightning also tears down after a failed fit, from inside its exception handler (session.release).
-        if self._profiled is not None:
-            trainer, profiler = self._profiled
-            trainer.profiler, self._profiled = profiler, None
-        for callback in self._finetuning:  # the callback's own method again
-            callback.__dict__.pop("_apply_mapping_to_param_groups", None)
-        self._finetuning = []
+        while self._stage_patches:  # the Trainer's profiler, each BaseFinetuning callback's own method
+            self._stage_patches.pop()()
         wrapper = self.session.wrapper
         # a failed validate/test/predict on the run fit left keeps it: the trained values are not lost
         if wrapper is not None and wrapper.shard_parameters and (sys.exc_info()[0] is None or not self._fitting):
@@ -553,6 +549,11 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         register_strategy_names(cls, strategy_registry)
 
 
+# Lightning's objects a stage changes (Note [patches] in engine/patches.py)
+_FINETUNING = patches.register("lightning.pytorch.callbacks.BaseFinetuning._apply_mapping_to_param_groups",
+                               "trainer stage")
+_PROFILER = patches.register("lightning.pytorch.Trainer.profiler", "trainer stage")
+
 # Lightning callbacks that do not read parameters in on_train_batch_end / on_train_epoch_end
 # (checkpointing syncs through lightning_module_state_dict).
 _PARAMETER_SAFE_CALLBACKS = (ModelCheckpoint, LearningRateMonitor, ProgressBar, ModelSummary, Timer, EarlyStopping)
@@ -564,8 +565,8 @@ def _finetuning_sees_parameters(trainer, session) -> list:
     by name when resuming (``on_fit_start``), looking tensors up by identity among the module's parameters.
     The optimizers hold pieces and masters in their place here, so during the fit each such callback maps
     through the session: an optimizer's tensor to its parameter's name, a name to the tensor the optimizer
-    holds for it (Note [re-planning] in ``session.py``). Returns the callbacks, whose own method teardown puts
-    back."""
+    holds for it (Note [re-planning] in ``session.py``). Returns what puts each callback's own method back
+    (Note [patches] in ``engine/patches.py``)."""
     from lightning.pytorch.callbacks import BaseFinetuning
 
     def apply_mapping(param_groups: list, mapping: dict) -> list:
@@ -580,10 +581,8 @@ def _finetuning_sees_parameters(trainer, session) -> list:
             out.append(entry)
         return out
 
-    patched = [callback for callback in trainer.callbacks if isinstance(callback, BaseFinetuning)]
-    for callback in patched:
-        callback._apply_mapping_to_param_groups = apply_mapping
-    return patched
+    return [_FINETUNING.set_attribute(callback, "_apply_mapping_to_param_groups", apply_mapping)
+            for callback in trainer.callbacks if isinstance(callback, BaseFinetuning)]
 
 
 def _restore_finetuning_param_groups(module: Optional[LightningModule]) -> None:
@@ -621,7 +620,8 @@ class _HookReads:
     the LightningModule and the datamodule inside ``trainer.profiler.profile(name)``, on every rank in the same
     order, so each runs there inside ``session.hook_reads(name)`` and its reads of parameters gather on demand as
     collectives (Note [collective reads] in ``engine/collective_reads.py``). Everything else is the profiler's.
-    Installed by the strategy's ``setup`` for fitting, removed by its ``teardown``."""
+    Installed by the strategy's ``setup`` for fitting, removed by its ``teardown`` (a patch: Note [patches] in
+    ``engine/patches.py``). Lightning's writes of the profiler's attributes pass through to it."""
 
     _HOOKS = ("[Callback]", "[LightningModule]", "[LightningDataModule]")
 

@@ -12,6 +12,9 @@ The patches have a scope:
   another order).
 * A session holds the patches from ``wrap`` to ``release``, counted over live holders: two sessions, one
   released, still patched; both released, every original object is back in place.
+* Every patch ``patched_functions()`` lists (Note [patches] in ``engine/patches.py``), the shorter-lived ones
+  of ``record_init`` and of a Trainer stage included, is in place only within its scope; and a ``Patch``'s
+  undo and a ``Scope``'s holds put back exactly what they changed.
 
 torch's clipping on a list of parameters, split parameters included, must give ``ddp``'s numbers.
 
@@ -70,21 +73,25 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib
 import math
 import subprocess
 import sys
+from typing import Callable
 
 import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch.callbacks import BaseFinetuning
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_layerwise as llw
 from _dist import LATE_MS, reference_threads, run_distributed
-from lightning_layerwise.engine import grad_utils
+from lightning_layerwise.engine import grad_utils, patches
+from lightning_layerwise.engine.init_record import record_init
 from helpers import (gpt, gpt_batches as batches, gpt_loss, gpt_optimizer as optimizer, params_of, rel_err,
                      world_trainer as trainer)
 
@@ -183,6 +190,151 @@ def test_the_patches_live_from_wrap_to_release_and_only_there():
     # Without the hold torch clips by this rank's own part: the ranks disagree, and none sees the global norm.
     assert results[0]["local"] != results[1]["local"]
     assert all(out["local"] < expected for out in results)
+
+
+# --- every patch undone ----------------------------------------------------------------------------------------
+
+
+def _resolve(what: str) -> object:
+    """The object a qualified name names: its longest importable module, then attributes."""
+    parts = what.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(what)
+
+
+def _state(found: object) -> tuple:
+    """What a patch may replace: the object itself, its code object, what its implementation cell holds."""
+    cell = grad_utils._implementation_cell(found) if callable(found) else None
+    return found, getattr(found, "__code__", None), cell.cell_contents if cell is not None else None
+
+
+def _seen(before: tuple, during: tuple, after: tuple) -> tuple[bool, bool]:
+    """(replaced while patched, the original back after)."""
+    return (any(a is not b for a, b in zip(before, during)), all(a is b for a, b in zip(before, after)))
+
+
+def _in_process(scope) -> Callable[[list[str]], dict]:
+    def drive(names: list[str]) -> dict:
+        before = {name: _state(_resolve(name)) for name in names}
+        with scope():
+            during = {name: _state(_resolve(name)) for name in names}
+        return {name: _seen(before[name], during[name], _state(_resolve(name))) for name in names}
+    return drive
+
+
+class _Finetuning(BaseFinetuning):
+    def freeze_before_training(self, pl_module):
+        pass
+
+    def finetune_function(self, pl_module, current_epoch, optimizer):
+        pass
+
+
+class _Regression(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _DuringFit(L.Callback):
+    def __init__(self, observe):
+        self.observe, self.seen = observe, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.seen is None:
+            self.seen = self.observe()
+
+
+def _stage_worker(rank: int, world: int, names: list[str], root: str) -> dict:
+    """A Trainer's patches: each resolved on the Trainer or the callback its qualified name's class matches."""
+    model = _Regression()
+    finetuning = _Finetuning()
+
+    def observe() -> dict:
+        objects = [fit, finetuning]
+        out = {}
+        for name in names:
+            owner, _, attribute = name.rpartition(".")
+            holder = next(o for o in objects if isinstance(o, _resolve(owner)))
+            out[name] = _state(getattr(holder, attribute))
+        return out
+    during = _DuringFit(observe)
+    fit = trainer(llw.LayerwiseStrategy(shard_parameters=True, bucket_size=128), root, max_steps=2,
+                  callbacks=[finetuning, during])
+    before = observe()
+    fit.fit(model, DataLoader(TensorDataset(*_batch(rank)), batch_size=3))
+    after = observe()
+    llw.release(model)
+    return {name: _seen(before[name], during.seen[name], after[name]) for name in names}
+
+
+def _on_every_rank(results: list[dict]) -> dict:
+    return {name: tuple(all(out[name][i] for out in results) for i in range(2)) for name in results[0]}
+
+
+_SCOPES = {
+    "gradient utilities": _in_process(llw.gradient_utilities),
+    "init record": _in_process(lambda: record_init("cpu")),
+    "trainer stage": lambda names, root: _on_every_rank(run_distributed(_stage_worker, 2, names, root)),
+}
+
+
+def test_a_patch_undoes_what_it_changed_once_and_a_scope_with_its_last_hold():
+    class Owner:
+        value = 1
+
+    owner = Owner()
+    patch = patches.Patch("Owner.value", "trainer stage")  # not registered: patched_functions() is unchanged
+    undo = patch.set_attribute(owner, "value", 2)
+    assert owner.value == 2 and patch.applied == 1
+    undo()
+    undo()
+    assert "value" not in vars(owner) and owner.value == 1 and patch.applied == 0
+    scope = patches.Scope()
+    scope.add(lambda: patch.set_attribute(Owner, "value", 3))
+    scope.hold()
+    scope.hold()
+    scope.release()
+    assert Owner.value == 3
+    scope.release()
+    assert Owner.value == 1 and patch.applied == 0 and "Owner.value" not in patches.patched_functions()
+
+
+def test_every_patch_is_in_place_only_within_its_scope(tmp_path):
+    """For every name ``patched_functions()`` lists (Note [patches] in ``engine/patches.py``): the original object
+    before its scope, another inside it (the object, its code object or its implementation cell), the original
+    again after. The Trainer's patches are read on the Trainer and a ``BaseFinetuning`` callback of a fit with
+    sharded parameters at 2 processes (one process shards nothing). Mutations, seen failing: the strategy's
+    teardown leaving its patches in place (the profiler and ``BaseFinetuning`` reported), ``record_init`` not
+    undoing its swaps, ``grad_norm``'s install returning an undo that does nothing."""
+    names = patches.patched_functions()
+    by_scope: dict[str, list[str]] = {}
+    for patch in patches.patches():
+        by_scope.setdefault(patch.when, []).append(patch.what)
+    assert set(by_scope) <= set(_SCOPES), "a scope this test does not drive"
+    seen = {}
+    for when, listed in by_scope.items():
+        drive = _SCOPES[when]
+        seen.update(drive(listed, str(tmp_path)) if when == "trainer stage" else drive(listed))
+    assert sorted(seen) == sorted(names)
+    assert "lightning.pytorch.Trainer.profiler" in names and len(names) >= 12, names
+    wrong = {name: found for name, found in seen.items() if found != (True, True)}
+    assert wrong == {}, "(replaced while patched, original back after): " + str(wrong)
+    assert patches.in_place() == []
 
 
 # --- torch's clipping on lists of parameters, against ddp --------------------------------------------------
