@@ -366,7 +366,7 @@ def train_moe(ddp: LayerwiseDataParallel, opt: torch.optim.Optimizer, rank: int,
         ddp.finish_grad_sync()
         opt.step()
         ddp.start_param_sync()
-    ddp.finish_param_sync()
+    ddp.param_sync.finish()
 
 
 # --- sharded parameters (engine/test_data_parallel.py, engine/test_sharded_parameters.py) ----------------------------

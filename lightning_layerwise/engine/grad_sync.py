@@ -35,7 +35,7 @@ Note [gradient lifecycle]
     rank sends exactly what ``ddp`` would, and the result is the sum of every
     backward's mean gradient. When every unit was cleared (``zero_grad`` before
     each step: the usual loop) nothing is carried and no memory is used for it.
-    :meth:`LayerwiseDataParallel.zero_grad_buffer` drops everything.
+    :meth:`zero_grad_buffer` drops everything.
 
     A bare ``loss.backward()`` that bypasses the strategy runs autograd before
     anything can restart accumulation: the first parameter to receive a gradient
@@ -170,7 +170,7 @@ class GradientSync:
                  sharded: bool = False, stepped_slots: dict[nn.Parameter, torch.Tensor] | None = None,
                  on_backward: Callable[[], None] = lambda: None, grads_done: Callable[[Bucket], None] = lambda b: None,
                  reduces_in_flight: int = 2) -> None:
-        self._buckets, self._flat_buffers, self._param_names = buckets, flat_buffers, names
+        self._buckets, self.flat_buffers, self._param_names = buckets, flat_buffers, names
         self.waiter, self.process_groups, self.layout_group = waiter, groups, layout_group
         self.expert_parallel_size, self.overlap_grad_reduce = expert_parallel_size, overlap_grad_reduce
         self._before_reduce = before_reduce
@@ -229,7 +229,7 @@ class GradientSync:
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
 
     def _device(self) -> torch.device:
-        return self._flat_buffers[0].grads.device
+        return self.flat_buffers[0].grads.device
 
     @property
     def reduces_on_backward(self) -> bool:
@@ -347,7 +347,7 @@ class GradientSync:
                     if hasattr(t, "main_grad"):
                         del t.main_grad
         self._copies.clear()
-        for flat in self._flat_buffers:
+        for flat in self.flat_buffers:
             flat.grads.zero_()
         for b in self._buckets:
             b.restart()
@@ -668,7 +668,7 @@ class GradientSync:
         unit = self._unit_of.get(param)
         return unit is not None and unit.param is param and not unit.split
 
-    def piece(self, param: nn.Parameter) -> nn.Parameter | None:
+    def piece_of(self, param: nn.Parameter) -> nn.Parameter | None:
         """This rank's piece of split parameter ``param`` (Note [pieces] in ``engine/data_parallel.py``), or
         ``None``."""
         return self._pieces.get(param)
@@ -709,7 +709,7 @@ class GradientSync:
         """What this rank steps of ``tensor`` (a parameter, a piece or a master), or ``None`` if nothing."""
         return self._unit_of.get(tensor)
 
-    def owns_tensor(self, tensor: torch.Tensor) -> bool:
+    def trains(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is one this wrapper trains: a parameter in its layout, a piece or a master."""
         return tensor in self._param_names or tensor in self._unit_of
 
