@@ -160,7 +160,8 @@ class SessionCheckpoints:
         wrapper, masters = self.session.wrapper, self.session.masters
         if wrapper is None:
             return {}
-        pieces = {shard: (wrapper.planned_piece(p), tuple(p.shape)) for p, shard in wrapper.grad_sync.pieces.items()}
+        pieces = {shard: (wrapper.grad_sync.unit_of(shard).piece, tuple(p.shape))
+                  for p, shard in wrapper.grad_sync.pieces.items()}
         if masters is not None:  # the optimizer steps a piece's float32 master in its place
             pieces.update({masters.stepped(shard): entry for shard, entry in list(pieces.items())})
         return pieces

@@ -298,7 +298,8 @@ class LayerwiseDataParallel(nn.Module):
             piece = slot.piece_of(self._rank_for(name))
             if piece is not None:
                 begin, end = slot.offset + piece.start - base, slot.offset + piece.stop - base
-                pieces[p] = (nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end])
+                pieces[p] = (nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end],
+                             piece)
         return GradientSync(
             self._buckets, self._flat_buffers, self._param_names, grad_views, owned, split, pieces, self._waiter,
             groups=self.process_groups, layout_group=self._layout_group(), experts=self.expert_names,
@@ -361,7 +362,7 @@ class LayerwiseDataParallel(nn.Module):
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for p, piece in self.grad_sync.pieces.items():
                 if self._bucket_of[p].param_state is ParamState.READY:
-                    where = self.planned_piece(p)
+                    where = self.grad_sync.unit_of(p).piece
                     piece.copy_(p.reshape(-1)[where.start:where.stop])
 
     def _guard_reads(self, named: dict[str, nn.Parameter]) -> bool:
@@ -432,13 +433,6 @@ class LayerwiseDataParallel(nn.Module):
             if unit is not None:
                 yield n, unit.tensor
 
-    def planned_piece(self, tensor: torch.Tensor):
-        """Where the piece this rank steps lies in its parameter, as the layout plans it
-        (:class:`~lightning_layerwise.layout.Piece`), for ``tensor`` the parameter, the piece or its master;
-        ``None`` if this rank steps no piece of it. The piece itself is ``grad_sync.piece_of(param)``."""
-        name = self._param_names.get(self.grad_sync.layout_parameter_of(tensor))
-        return self.layout.params[name].piece_of(self._rank_for(name)) if name is not None else None
-
     def use_shards_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Puts this rank's pieces of split parameters in ``optimizer`` in place of the parameters.
 
@@ -451,7 +445,7 @@ class LayerwiseDataParallel(nn.Module):
             group["params"] = [pieces.get(p, p) for p in group["params"]]
         for p, shard in pieces.items():
             if p in optimizer.state:
-                piece = self.planned_piece(p)
+                piece = self.grad_sync.unit_of(p).piece
                 cut = {k: (v, piece.cut(v, p.shape)) for k, v in optimizer.state.pop(p).items()}
                 optimizer.state[shard] = {k: c.clone() if c is not v else v for k, (v, c) in cut.items()}
 

@@ -133,6 +133,7 @@ from .grad_records import GradRecord, GradUnit
 from .live_wrappers import _SYNCS
 from .split_gradient import SplitGradient, make_split_gradient
 from .waiter import Waiter
+from ..layout import Piece
 
 
 class GradientSync:
@@ -149,7 +150,7 @@ class GradientSync:
         grad_views: each parameter's slot of its grad buffer, strided as the parameter.
         owned: the parameters this rank steps whole.
         split: every parameter stepped in pieces (Note [pieces] in ``engine/data_parallel.py``), on every rank.
-        pieces: this rank's piece of each split parameter it steps, and the piece's slot of the grad buffer.
+        pieces: this rank's piece of each split parameter it steps, its slot of the grad buffer, its layout Piece.
         waiter: waits (errors, timing, tracing) shared with the parameter side.
         groups: the process groups; ``layout_group``: the group whose ranks own the dense pieces.
         experts: the names of expert parameters; ``expert_parallel_size``: ranks holding different experts.
@@ -164,7 +165,7 @@ class GradientSync:
 
     def __init__(self, buckets: list[Bucket], flat_buffers: list, names: dict[nn.Parameter, str],
                  grad_views: dict[nn.Parameter, torch.Tensor], owned: set, split: list[nn.Parameter],
-                 pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor]], waiter: Waiter, *, groups,
+                 pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor, Piece]], waiter: Waiter, *, groups,
                  layout_group=None, experts: frozenset = frozenset(), expert_parallel_size: int = 1,
                  overlap_grad_reduce: bool = True, before_reduce: Callable[[], None] = lambda: None,
                  sharded: bool = False, stepped_slots: dict[nn.Parameter, torch.Tensor] | None = None,
@@ -182,7 +183,7 @@ class GradientSync:
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._gather_order = sorted(buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
-        self._pieces = {p: piece for p, (piece, _) in pieces.items()}
+        self._pieces = {p: piece for p, (piece, *_) in pieces.items()}
         # Whether each split parameter got a gradient here this step, kept on the device so that agreeing on it
         # (Note [pieces] in ``engine/data_parallel.py``) needs no host transfer; set by the gradient hook, zeroed with
         # the buffers.
@@ -214,7 +215,8 @@ class GradientSync:
         self.stepped_whole = frozenset(owned)
         """The parameters this rank steps whole."""
         self._units = [GradUnit(p, p, slots[p], self._bucket_of[p], self._records[p]) if p in owned else
-                       GradUnit(p, pieces[p][0], pieces[p][1], self._bucket_of[p], self._records[p], split=True)
+                       GradUnit(p, *pieces[p][:2], self._bucket_of[p], self._records[p], split=True,
+                                piece=pieces[p][2])
                        for p in names if p in owned or p in pieces]
         self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
         self._unit_of.update((u.param, u) for u in self._units)

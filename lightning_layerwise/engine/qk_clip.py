@@ -206,7 +206,7 @@ class QKClip:
             unit = wrapper.grad_sync.unit_of(param)
             if unit is None:  # another rank steps it
                 return
-            target, piece = unit.stepped, wrapper.planned_piece(param) if unit.split else None
+            target, piece = unit.stepped, unit.piece
         row_length = math.prod(param.shape[1:])  # from the shape alone: a sharded parameter is not read
         if piece is None:
             view = target.view(param.shape[0], -1)

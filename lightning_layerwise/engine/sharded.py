@@ -172,8 +172,8 @@ class ShardedParameterSync:
     holds_whole = False
 
     def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter, *,
-                 stepped_whole: set, split_buckets: list[Bucket] | None = None, prefetch_depth: int = 2, reshard_after_forward: bool = True,
-                 read_guard: Literal["wait", "strict"] = "wait",
+                 stepped_whole: set, split_buckets: list[Bucket] | None = None, prefetch_depth: int = 2,
+                 reshard_after_forward: bool = True, read_guard: Literal["wait", "strict"] = "wait",
                  on_backward: Callable[[], None] = lambda: None, write_back: Callable[[], None] = lambda: None) -> None:
         self.gather_order = gather_order
         self.split_buckets = list(split_buckets or [])

@@ -20,7 +20,7 @@ class FakeWrapper:
         self.owned = owned
         self.ranks = SimpleNamespace(owner_rank=rank, expert_dp_rank=rank, layout_rank=rank, replicas=1,
                                      expert_parallel_size=1)
-        self.grad_sync = SimpleNamespace(layout_group=None, piece_of=self.piece_of)
+        self.grad_sync = SimpleNamespace(layout_group=None, piece_of=self.piece_of, unit_of=self.unit_of)
         self.param_sync = SimpleNamespace(names={p: n for n, p in self.named.items() if p.requires_grad})
         self.process_groups = ProcessGroups.single()
         self.expert_names = frozenset()
@@ -31,9 +31,9 @@ class FakeWrapper:
         yield from ((n, self.named[n]) for n in self.owned)
         yield from self.shards.items()
 
-    def planned_piece(self, p):
+    def unit_of(self, p):
         name = next(n for n, q in self.named.items() if q is p)
-        return self.layout.params[name].piece_of(self.ranks.owner_rank)
+        return SimpleNamespace(piece=self.layout.params[name].piece_of(self.ranks.owner_rank))
 
     def piece_of(self, p):
         return next((s for n, s in self.shards.items() if self.named[n] is p), None)

@@ -1,4 +1,5 @@
-"""The package's sizes, read from its source: modules, functions, and how much the wrapper only forwards.
+"""The package's sizes, read from its source: modules, functions, the wrapper's surface and how much it only
+forwards.
 
 A module over 800 lines or a function over 80 (docstrings count) holds more than one reader keeps in mind.
 A method whose body, docstring aside, is one call of a part's method (``return self.part.name(...)``) or a
@@ -16,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_layerwise"
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 80
 MAX_WRAPPER_DELEGATIONS = 5
+MAX_WRAPPER_NAMES = 25
 
 
 def modules() -> list[tuple[Path, str]]:
@@ -48,6 +50,30 @@ def delegates(method: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return is_property and isinstance(body[0], ast.Return) and _part_attribute(value)
 
 
+def public_names(cls: ast.ClassDef) -> set[str]:
+    """The public methods, properties and class attributes of ``cls``, and the public attributes its ``__init__``
+    sets on ``self``."""
+    names = set()
+    for item in cls.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if not item.name.startswith("_"):
+                names.add(item.name)
+            if item.name == "__init__":
+                for node in ast.walk(item):
+                    targets = node.targets if isinstance(node, ast.Assign) else \
+                        [node.target] if isinstance(node, ast.AnnAssign) else []
+                    for target in targets:
+                        for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
+                                    and t.value.id == "self" and not t.attr.startswith("_"):
+                                names.add(t.attr)
+        elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+            for target in item.targets if isinstance(item, ast.Assign) else [item.target]:
+                if isinstance(target, ast.Name) and not target.id.startswith("_"):
+                    names.add(target.id)
+    return names
+
+
 def classes(name: str) -> list[ast.ClassDef]:
     return [node for _, source in modules() for node in ast.walk(ast.parse(source))
             if isinstance(node, ast.ClassDef) and node.name == name]
@@ -75,6 +101,12 @@ def test_the_wrapper_forwards_few_calls_to_its_parts():
     forwarding = [item.name for item in wrapper.body
                   if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and delegates(item)]
     assert len(forwarding) <= MAX_WRAPPER_DELEGATIONS, forwarding
+
+
+def test_the_wrapper_has_at_most_25_public_names():
+    (wrapper,) = classes("LayerwiseDataParallel")
+    names = public_names(wrapper)
+    assert len(names) <= MAX_WRAPPER_NAMES, sorted(names)
 
 
 def test_the_measure_finds_a_delegation():
