@@ -92,8 +92,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives, read_guard, replica_check
-from .buffers import Bucket, FlatBuffer, ParamState, allocate_buffers, build_buckets, meta_buffers, view_of
-from .grad_records import GradUnit
+from .buffers import Bucket, ParamState, allocate_buffers, build_buckets, meta_buffers, view_of
 from .grad_sync import GradientSync
 from .live_wrappers import _LIVE, _forget, wrapper_of
 from .materialize import check_materializable, has_meta_tensors, materialize
