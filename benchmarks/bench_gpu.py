@@ -276,7 +276,7 @@ def bench_gpt(device: torch.device, quick: bool, world: World1, batch: int | Non
             peaks[name] = peak if peaks.get(name) is None else max(peaks[name], peak)
             first_loss[name] = losses[0].float().item()
             if isinstance(holder[1], llw.LayerwiseDataParallel):
-                holder[1].finish_param_sync()
+                holder[1].param_sync.finish()
             del step, losses, holder
     free_memory(device)
     plain = statistics.median(samples["plain"])

@@ -170,7 +170,7 @@ def make_loop(config: str, model: nn.Module, optimizer: torch.optim.Optimizer, w
     session = llw.LayerwiseSession(llw.LayerwiseConfig())
     wrapped = session.wrap(model, optimizer)
     return Loop(wrapped, session.backward, lambda: session.step(optimizer), release=session.release,
-                grad_buffers=lambda: [flat.grads for flat in wrapped.flat_buffers])
+                grad_buffers=lambda: [flat.grads for flat in wrapped.grad_sync.flat_buffers])
 
 
 def gradient_bytes(loop: Loop, tensors: list[torch.Tensor]) -> int:

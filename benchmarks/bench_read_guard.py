@@ -90,8 +90,8 @@ def run_config(rank: int, world: int, model_name: str, config: str, steps: int, 
     times, waits, guarded = [], [], []
     for step in range(warmup + steps):
         inputs, target = make_batch(g, per_rank)
-        wrapper.comm_wait_seconds = {}
-        before = wrapper.guarded_reads
+        wrapper.grad_sync.waiter.seconds = {}
+        before = wrapper.param_sync.guarded_reads
         t0 = time.perf_counter()
         loss_fn(wrapper, inputs, target).backward()
         wrapper.finish_grad_sync()
@@ -101,9 +101,9 @@ def run_config(rank: int, world: int, model_name: str, config: str, steps: int, 
         elapsed = time.perf_counter() - t0
         if step >= warmup:
             times.append(elapsed)
-            waits.append(wrapper.comm_wait_seconds.get("all_gather", 0.0))
-            guarded.append(wrapper.guarded_reads - before)
-    wrapper.finish_param_sync()
+            waits.append(wrapper.grad_sync.waiter.seconds.get("all_gather", 0.0))
+            guarded.append(wrapper.param_sync.guarded_reads - before)
+    wrapper.param_sync.finish()
     checksum = harness.flat_params(model)
     n_buckets = len(wrapper.buckets)
     wrapper.release()

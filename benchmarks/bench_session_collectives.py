@@ -248,7 +248,7 @@ def make_loop(config: str, model: nn.Module, optimizer: torch.optim.Optimizer, w
     if "no_flags" in config:
         without_split_flags(wrapped)
     return Loop(wrapped, session.backward, lambda: session.wrapper.no_sync(), lambda: session.step(optimizer),
-                release=session.release, settle=lambda: session.wrapper.finish_param_sync())
+                release=session.release, settle=lambda: session.wrapper.param_sync.finish())
 
 
 def without_split_flags(wrapper: llw.LayerwiseDataParallel) -> None:

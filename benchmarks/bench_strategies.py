@@ -494,7 +494,7 @@ class ProbeHooks:
                 p.register_post_accumulate_grad_hook(self.worker.on_grad)
         wrapper = getattr(trainer.strategy, "wrapper", None)
         if wrapper is not None:
-            wrapper.comm_wait_seconds = {}
+            wrapper.grad_sync.waiter.seconds = {}
             self.wrapper = wrapper
         self.snapshot()
 
@@ -528,7 +528,7 @@ class ProbeHooks:
 
     def snapshot(self) -> None:
         comm = self.worker.comm
-        waits = self.wrapper.comm_wait_seconds if self.wrapper is not None else {}
+        waits = self.wrapper.grad_sync.waiter.seconds if self.wrapper is not None else {}
         self.counters.append({
             "ns_ms": 1e3 * self.worker.ns_seconds,
             "comm_blocked_ms": 1e3 * comm.blocked_s,

@@ -51,7 +51,7 @@ def record(rank: int, world: int) -> dict:
         snapshot(event, bucket.name)
 
     waiter_module.Waiter.trace = traced
-    wrapped.events = []
+    wrapped.grad_sync.waiter.events = []
     for step in range(2):
         frames.clear()
         idx = torch.randint(0, 64, (8, 4))

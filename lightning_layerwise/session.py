@@ -309,8 +309,8 @@ class LayerwiseSession:
         as it is now, with the owner groups unchanged, moves the optimizer state to the new owners and hands
         the optimizers the new pieces."""
         wrapper = self.wrapper
-        wrapper.finish_param_sync()
-        if wrapper.grads_pending:
+        wrapper.param_sync.finish()
+        if wrapper.grad_sync.grads_pending:
             raise RuntimeError(
                 f"{self.name}: parameters {names[:5]} became trainable while gradients were accumulating inside "
                 "no_sync. Change requires_grad between optimizer steps (after the step, before the next "
@@ -341,7 +341,7 @@ class LayerwiseSession:
         wrapper = self.wrapper
         if wrapper is None:
             return param
-        shard = wrapper.shard_of(param)
+        shard = wrapper.grad_sync.piece_of(param)
         tensor = param if shard is None else shard
         return self.masters.stepped(tensor) if self.masters is not None else tensor
 
@@ -462,7 +462,7 @@ class LayerwiseSession:
     def after_backward(self) -> None:
         """End of a backward that reduces (not inside ``no_sync``): owned parameters get their gradient."""
         wrapper = self.wrapper
-        if wrapper is not None and wrapper.reduces_on_backward:
+        if wrapper is not None and wrapper.grad_sync.reduces_on_backward:
             wrapper.finish_grad_sync()
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -476,10 +476,10 @@ class LayerwiseSession:
         wrapper = self.wrapper
         if wrapper is None:
             return
-        wrapper.finish_param_sync()
+        wrapper.param_sync.finish()
         if [len(optimizer.param_groups) for optimizer in self.optimizers] != self._group_counts:
             self._use_stepped_tensors()  # optimizer.add_param_group since the last step: pieces and masters
-        if wrapper.grads_pending:
+        if wrapper.grad_sync.grads_pending:
             raise RuntimeError(
                 f"strategy='layerwise': {what} with gradients that were never reduced: the last backward ran "
                 "inside no_sync (fabric.no_backward_sync / trainer.model.no_sync()) or bypassed the strategy (a "
@@ -516,7 +516,7 @@ class LayerwiseSession:
 
     def grads_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; ``True`` when not wrapped)."""
-        return self.wrapper is None or self.wrapper.grads_are_finite()
+        return self.wrapper is None or self.wrapper.grad_sync.grads_are_finite()
 
     def skip_step(self, step: Any = None) -> bool:
         """With ``skip_nonfinite_steps``: whether this step is skipped on every rank (then noted); collective."""
@@ -562,7 +562,7 @@ class LayerwiseSession:
     def sync_parameters(self) -> None:
         """Waits until every rank holds the current parameters (no collective if already synced)."""
         if self.wrapper is not None:
-            self.wrapper.finish_param_sync()
+            self.wrapper.param_sync.finish()
 
     def full_parameters(self):
         """A context inside which every parameter is whole on this rank (collective with sharded parameters;
@@ -615,7 +615,7 @@ class LayerwiseSession:
         if self.checkpoints.save_format.name == "sharded":
             ownership = self.checkpoints.ownership()
             wanted = {k for k, t in live.items() if ownership.writes(t)}
-            buckets = wrapper.split_buckets
+            buckets = wrapper.param_sync.split_buckets
         else:
             wanted = set(live) if self.is_global_zero else set()
             buckets = wrapper.param_sync.gather_order
@@ -624,7 +624,7 @@ class LayerwiseSession:
             keys_of.setdefault(id(tensor), []).append(key)
         state: dict[str, Any] = {}
         for bucket in buckets:
-            with wrapper.held_full([bucket]):
+            with wrapper.param_sync.held([bucket]):
                 for p in bucket.params:
                     for key in keys_of.get(id(p), ()):
                         if key in wanted:
@@ -733,5 +733,5 @@ def is_compiled(module) -> bool:
 
 def _model_parameter(wrapper: LayerwiseDataParallel, tensor: torch.Tensor) -> torch.Tensor:
     """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself."""
-    param = wrapper.layout_parameter_of(tensor)
+    param = wrapper.grad_sync.layout_parameter_of(tensor)
     return tensor if param is None else param

@@ -94,7 +94,7 @@ class SessionCheckpoints:
         names = self.names or self.refresh_names()
         masters = [m for _, m in s.masters.pairs] if s.masters is not None else []
         tensors = s.module.state_dict(keep_vars=True)
-        in_layout = set() if s.wrapper is None else {p for _, p in s.wrapper.named_layout_parameters()}
+        in_layout = set() if s.wrapper is None else set(s.wrapper.param_sync.names)
         expert_outside = [t for k, t in tensors.items() if k in self.expert_map and t not in in_layout]
         return Ownership.of(s.wrapper, names, s.is_global_zero, masters, self.global_name, expert_outside)
 
@@ -157,8 +157,8 @@ class SessionCheckpoints:
         wrapper, masters = self.session.wrapper, self.session.masters
         if wrapper is None:
             return {}
-        pieces = {shard: (wrapper.piece_of(p), tuple(p.shape)) for _, p in wrapper.named_layout_parameters()
-                  for shard in [wrapper.shard_of(p)] if shard is not None}
+        pieces = {shard: (wrapper.grad_sync.unit_of(shard).piece, tuple(p.shape))
+                  for p, shard in wrapper.grad_sync.pieces.items()}
         if masters is not None:  # the optimizer steps a piece's float32 master in its place
             pieces.update({masters.stepped(shard): entry for shard, entry in list(pieces.items())})
         return pieces
@@ -228,7 +228,7 @@ class SessionCheckpoints:
         wrapper = self.session.wrapper
         held = contextlib.nullcontext()
         if fmt.name == "sharded" and wrapper is not None and wrapper.shard_parameters:
-            held = wrapper.held_full(wrapper.split_buckets)
+            held = wrapper.param_sync.held(wrapper.param_sync.split_buckets)
         with held:
             return fmt.read(self, path, n_optimizers=n_optimizers, strict=strict, weights_only=weights_only,
                             strict_hint=strict_hint, file_io=file_io if file_io is not None else TorchFileIO(),
@@ -336,7 +336,7 @@ def load_bucket_by_bucket(module: nn.Module, wrapper, state_dict: dict[str, Any]
     done: set[str] = set()
     for bucket in wrapper.param_sync.gather_order:
         part = {k: state_dict[k] for p in bucket.params for k in keys_of.get(id(p), ()) if k in state_dict}
-        with wrapper.held_full([bucket]):
+        with wrapper.param_sync.held([bucket]):
             module.load_state_dict(part, strict=False)
         done.update(part)
     module.load_state_dict({k: v for k, v in state_dict.items() if k not in done}, strict=False)

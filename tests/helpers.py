@@ -366,7 +366,7 @@ def train_moe(ddp: LayerwiseDataParallel, opt: torch.optim.Optimizer, rank: int,
         ddp.finish_grad_sync()
         opt.step()
         ddp.start_param_sync()
-    ddp.finish_param_sync()
+    ddp.param_sync.finish()
 
 
 # --- sharded parameters (engine/test_data_parallel.py, engine/test_sharded_parameters.py) ----------------------------
@@ -712,7 +712,8 @@ def ckpt_run_worker(rank, world, optimizer, strategy, fmt, dirpath, bucket_size=
 
     class Inspect(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            seen["owner_size"] = getattr(getattr(trainer.strategy, "wrapper", None), "owner_size", None)
+            ranks = getattr(getattr(trainer.strategy, "wrapper", None), "ranks", None)
+            seen["owner_size"] = None if ranks is None else ranks.owner_size
 
     trainer = ckpt_trainer(world, strategy, fmt, bucket_size, callbacks=[save, Inspect()],
                            owner_group_size=owner_group_size)

@@ -73,7 +73,7 @@ class Ownership:
     split: Mapping[str, Any] = field(default_factory=dict)
     """The layout slot of every split parameter, by name (Note [pieces in checkpoints])."""
     rank: int = 0
-    """Which pieces this rank steps (:attr:`~lightning_layerwise.LayerwiseDataParallel.layout_rank`)."""
+    """Which pieces this rank steps (:attr:`~lightning_layerwise.engine.process_groups.Ranks.layout_rank`)."""
     group_ranks: tuple[int, ...] = (0,)
     """Global ranks of the ranks owning pieces, by owner index (where each piece lives)."""
     expert_names: frozenset = frozenset()
@@ -105,23 +105,23 @@ class Ownership:
             return (0,) if group is None else tuple(dist.get_global_rank(group, r)
                                                     for r in range(dist.get_world_size(group)))
 
-        experts = wrapper.expert_parallel_size > 1
+        experts = wrapper.ranks.expert_parallel_size > 1
         expert_local = wrapper.expert_names if experts else frozenset()
         expert_names = frozenset(rename(n) for n in expert_local)
-        local = {p: n for n, p in wrapper.named_layout_parameters()}
-        stepped = list(wrapper.owned_parameters())  # whole parameters and pieces
+        local = dict(wrapper.param_sync.names)
+        stepped = [p for _, p in wrapper.named_owned_parameters()]  # whole parameters and pieces
         masters = list(masters)
         split = {rename(n): slots[n] for n in local.values() if slots[n].split}
-        partly = [p for p, n in local.items() if slots[n].split and wrapper.shard_of(p) is not None]
-        first = [p for p in partly if slots[local[p]].pieces[0].owner == wrapper.rank_for(local[p])]
+        partly = [p for p, n in local.items() if slots[n].split and wrapper.grad_sync.piece_of(p) is not None]
+        first = [p for p in partly if wrapper.grad_sync.unit_of(p).piece is slots[local[p]].pieces[0]]
         # Each element is stepped, and written, by one rank of the world, owner groups or not (Note [replica
         # sharing] in layout.py).
         written = stepped + first + masters
         return cls(frozenset(list(local) + stepped), frozenset(stepped + partly + masters), frozenset(written),
                    frozenset(rename(n) for n, _ in wrapper.named_owned_parameters()), is_global_zero, split,
-                   wrapper.layout_rank, global_ranks(wrapper.layout_group), expert_names,
-                   wrapper.expert_dp_rank, global_ranks(groups.expert_dp) if experts else (0,),
-                   frozenset(expert_outside), experts and wrapper.expert_dp_rank == 0)
+                   wrapper.ranks.layout_rank, global_ranks(wrapper.grad_sync.layout_group), expert_names,
+                   wrapper.ranks.expert_dp_rank, global_ranks(groups.expert_dp) if experts else (0,),
+                   frozenset(expert_outside), experts and wrapper.ranks.expert_dp_rank == 0)
 
     def writes(self, tensor: Optional[torch.Tensor]) -> bool:
         if tensor in self.sharded:

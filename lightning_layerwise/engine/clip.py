@@ -14,7 +14,7 @@ Note [norm from shards]
     gradients plus padding, which is always zero. A zero adds nothing to a sum
     of ``|g|^p`` (p > 0) or to a maximum of ``|g|``, so these norms are
     reduced from whole shards without a per-parameter loop: a sum (2-norm via
-    :meth:`~lightning_layerwise.LayerwiseDataParallel.grad_norm_squared`,
+    :meth:`~lightning_layerwise.engine.grad_sync.GradientSync.grad_norm_squared`,
     other p) or a maximum (inf-norm) over ranks. Norms built from a minimum
     (negative p, ``-inf``) would see the padding's zeros, and torch's p = 0
     "norm" counts the non-zero *tensors* (not elements), which has no
@@ -94,13 +94,14 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
     _check_reduced(wrapper)
     units = votes = None
     if parameters is not None:  # Note [parameter lists]
-        units, votes = wrapper.units_and_votes(_as_list(parameters))
-        if len(units) == len(wrapper.owned_units):
+        units, votes = wrapper.grad_sync.parameter_lists.units_and_votes(_as_list(parameters))
+        if len(units) == len(wrapper.grad_sync.owned_units):
             units = None  # all of this rank's gradient: whole shards (padding is zero), fewer kernels
     if math.isinf(p):
-        device = wrapper.flat_buffers[0].grads.device
+        device = wrapper.grad_sync.flat_buffers[0].grads.device
         total = torch.zeros((), dtype=torch.float32, device=device)
-        tensors = [wrapper.own_shard(b) for b in wrapper.buckets] if units is None else [u.slot for u in units]
+        sync = wrapper.grad_sync
+        tensors = [sync.own_shard(b) for b in wrapper.buckets] if units is None else [u.slot for u in units]
         for tensor in tensors:
             if tensor.numel():
                 total = torch.maximum(total, tensor.abs().amax().float().to(total.device))
@@ -110,13 +111,13 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
         else:
             total = _all_reduce_max(total, wrapper.process_groups.dp)  # a maximum may count elements twice
     elif p == 2.0 and units is None and votes is None:
-        total = wrapper.grad_norm_squared().sqrt()
+        total = wrapper.grad_sync.grad_norm_squared().sqrt()
     elif p == 2.0:
-        total = wrapper.shard_sum(lambda g: g.float().square().sum(), units, extra=votes).sqrt()
+        total = wrapper.grad_sync.shard_sum(lambda g: g.float().square().sum(), units, extra=votes).sqrt()
     else:
-        total = wrapper.shard_sum(lambda g: g.float().abs().pow(p).sum(), units, extra=votes).pow(1.0 / p)
+        total = wrapper.grad_sync.shard_sum(lambda g: g.float().abs().pow(p).sum(), units, extra=votes).pow(1.0 / p)
     if votes is not None:
-        wrapper.check_list_votes(votes, "clipping (or a gradient norm)")
+        wrapper.grad_sync.parameter_lists.check_votes(votes, "clipping (or a gradient norm)")
     return total
 
 
@@ -215,7 +216,8 @@ def _as_list(parameters) -> list:
 def _owned_grad_tensors(wrapper: LayerwiseDataParallel, parameters=None) -> list[torch.Tensor]:
     """Every tensor holding an owned gradient: ``main_grad`` and, where they are copies, ``.grad`` of the
     parameter or piece and of its master."""
-    units = wrapper.owned_units if parameters is None else wrapper.units_of(_as_list(parameters))
+    sync = wrapper.grad_sync
+    units = sync.owned_units if parameters is None else sync.parameter_lists.units_of(_as_list(parameters))
     tensors = []
     for unit in units:
         holders = [t.grad for t in (unit.tensor, unit.master) if t is not None and t.grad is not None]

@@ -64,7 +64,7 @@ Note [pieces]
     pieces: rank ``r`` steps the elements of its :class:`~lightning_layerwise.layout.Piece`,
     the part of the parameter inside its shard. For that the wrapper makes, per
     split parameter with a piece here, a flat ``nn.Parameter`` viewing the piece's
-    range of the param buffer (:meth:`LayerwiseDataParallel.shard_of`), and
+    range of the param buffer (:meth:`GradientSync.piece_of`), and
     :meth:`LayerwiseDataParallel.use_shards_in` puts it in the optimizer in place of
     the parameter; its ``.grad`` and ``.main_grad`` are the piece's range of the
     reduced grad buffer. An element-wise optimizer then computes exactly the
@@ -92,13 +92,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives, read_guard, replica_check
-from .buffers import Bucket, FlatBuffer, ParamState, allocate_buffers, build_buckets, meta_buffers, view_of
-from .grad_records import GradUnit
+from .buffers import Bucket, ParamState, allocate_buffers, build_buckets, meta_buffers, view_of
 from .grad_sync import GradientSync
 from .live_wrappers import _LIVE, _forget, wrapper_of
 from .materialize import check_materializable, has_meta_tensors, materialize
 from .module_checks import FixedModule, check_same_module_on_all_ranks, reject_sparse_gradients
-from .param_sync import ParameterSync
+from .param_sync import ParameterSide, ParameterSync
 from .process_groups import ProcessGroups, Ranks
 from .read_guard import ReadGuard
 from .release import release_wrapper
@@ -127,7 +126,7 @@ class LayerwiseDataParallel(nn.Module):
         broadcast_buffers: broadcast module buffers (e.g. BatchNorm statistics) from
             rank 0 at every training forward, as ``DistributedDataParallel`` does.
         cost: optimizer cost per parameter used to balance owners.
-        trace: record collective events in :attr:`events` (for tests and debugging).
+        trace: record collective events in ``grad_sync.waiter.events`` (for tests and debugging).
         param_read_guard: what a read of a parameter whose all-gather has not landed
             does when it happens outside its module's forward pre-hook (Note [stale
             reads]): ``"wait"`` waits for the bucket, ``"strict"`` raises
@@ -186,8 +185,8 @@ class LayerwiseDataParallel(nn.Module):
         ``session.py``); ``None``: that raises."""
         # what ends this wrapper's run (its session's release, which also destroys the groups): llw.release calls it
         self.ended_by: Callable[[], object] | None = None
-        self.module, self.param_read_guard, self.broadcast_buffers = module, param_read_guard, broadcast_buffers
-        self.overlap_grad_reduce, self.prefetch_depth = overlap_grad_reduce, prefetch_depth
+        self.module, self._param_read_guard, self._broadcast_buffers = module, param_read_guard, broadcast_buffers
+        self._overlap_grad_reduce, self._prefetch_depth = overlap_grad_reduce, prefetch_depth
         self.process_groups = process_groups if process_groups is not None else ProcessGroups.create()
         self.ranks = Ranks.of(self.process_groups)
         reject_sparse_gradients(module)
@@ -211,10 +210,10 @@ class LayerwiseDataParallel(nn.Module):
         averaged = {id(g): g for b in self._buckets for g in (b.group, b.replica_group) if g is not None}
         for group in averaged.values():
             collectives.probe_averaging(group, self._flat_buffers[0].grads.device)
-        self._waiter = Waiter(self.dp_rank, self.dp_size, trace)
+        self._waiter = Waiter(self.ranks.dp_rank, self.ranks.dp_size, trace)
         self._end_of_backward_queued = False
         self.grad_sync = self._gradient_side(overlap_grad_reduce)
-        self.param_sync = self._parameter_side(named, overlap_param_gather, reshard_after_forward)
+        self.param_sync: ParameterSide = self._parameter_side(named, overlap_param_gather, reshard_after_forward)
         self._fixed_module = FixedModule(module, self._param_names, self.shard_parameters)
         """What every training forward checks is still so (Note [fixed module] in ``engine/module_checks.py``)."""
         self.compiled_forward = False
@@ -244,7 +243,7 @@ class LayerwiseDataParallel(nn.Module):
         named = dict(module.named_parameters())
         self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
         if sharded:
-            check_sharding(self.param_read_guard, named, self._param_names)
+            check_sharding(self._param_read_guard, named, self._param_names)
             self._flat_buffers = meta_buffers(self.layout, grad_reduce_dtype)
         else:
             self._flat_buffers = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs},
@@ -265,7 +264,7 @@ class LayerwiseDataParallel(nn.Module):
                                                             list(self._param_names.values()), stepped, groups)
         self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
         broadcast_from_rank0(module, self.layout, [] if sharded else self._flat_buffers, self._param_names,
-                             self.expert_names, self.expert_parallel_size, groups)
+                             self.expert_names, self.ranks.expert_parallel_size, groups)
         return named
 
     def _gradient_side(self, overlap_grad_reduce: bool) -> GradientSync:
@@ -289,45 +288,50 @@ class LayerwiseDataParallel(nn.Module):
                 flat = self._flat_buffers[slot.buffer]
                 params_of, grads_of, base = flat.params, flat.grads, 0
             if not slot.split:
-                if slot.owner == self.rank_for(name):
+                if slot.owner == self._rank_for(name):
                     owned.add(p)
                     if stepped_slots is not None:
                         stepped_slots[p] = view_of(grads_of, slot, like=p, offset=slot.offset - base)
                 continue
             split.append(p)
-            piece = slot.piece_of(self.rank_for(name))
+            piece = slot.piece_of(self._rank_for(name))
             if piece is not None:
                 begin, end = slot.offset + piece.start - base, slot.offset + piece.stop - base
-                pieces[p] = (nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end])
+                pieces[p] = (nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end],
+                             piece)
         return GradientSync(
             self._buckets, self._flat_buffers, self._param_names, grad_views, owned, split, pieces, self._waiter,
-            groups=self.process_groups, layout_group=self.layout_group, experts=self.expert_names,
-            expert_parallel_size=self.expert_parallel_size, overlap_grad_reduce=overlap_grad_reduce,
-            before_reduce=self.finish_param_sync, sharded=self.shard_parameters, stepped_slots=stepped_slots,
-            on_backward=self._backward_started, grads_done=self._grads_done,
-            reduces_in_flight=self.prefetch_depth)
+            groups=self.process_groups, layout_group=self._layout_group(), experts=self.expert_names,
+            expert_parallel_size=self.ranks.expert_parallel_size, overlap_grad_reduce=overlap_grad_reduce,
+            sharded=self.shard_parameters, stepped_slots=stepped_slots, on_backward=self._backward_started,
+            reduces_in_flight=self._prefetch_depth,
+            # the parameter side is built next: looked up when called
+            before_reduce=lambda: self.param_sync.finish(), grads_done=lambda b: self.param_sync.grads_done(b))
 
     def _parameter_side(self, named: dict[str, nn.Parameter], overlap_param_gather: bool,
-                        reshard_after_forward: bool) -> ParameterSync | ShardedParameterSync:
+                        reshard_after_forward: bool) -> ParameterSide:
         """The parameter side over the buckets, gathering in forward order (Note [bucket order]), with the read guard
         on the parameters (Note [stale reads])."""
         every_read_guarded = self._guard_reads(named)
         gather_order = sorted(self._buckets, key=lambda b: b.first_param)
+        split = {id(self._bucket_of[p]) for p, n in self._param_names.items() if self.layout.params[n].split}
+        split_buckets = [b for b in gather_order if id(b) in split]
         if self.shard_parameters:
             return ShardedParameterSync(
-                gather_order, self._param_names, self._waiter, stepped_whole=self.grad_sync.stepped_whole,
-                prefetch_depth=self.prefetch_depth, reshard_after_forward=reshard_after_forward,
-                read_guard=self.param_read_guard, on_backward=self._backward_started,
+                gather_order, self._param_names, self._waiter, split_buckets=split_buckets,
+                stepped_whole=self.grad_sync.stepped_whole,
+                prefetch_depth=self._prefetch_depth, reshard_after_forward=reshard_after_forward,
+                read_guard=self._param_read_guard, on_backward=self._backward_started,
                 write_back=self._write_back_pieces)
         return ParameterSync(
-            gather_order, self._param_names, self._waiter,
-            prefetch_depth=self.prefetch_depth, overlap=overlap_param_gather and every_read_guarded,
-            read_guard=self.param_read_guard, gathers=self.process_groups.dp is not None)
+            gather_order, self._param_names, self._waiter, split_buckets=split_buckets,
+            prefetch_depth=self._prefetch_depth, overlap=overlap_param_gather and every_read_guarded,
+            read_guard=self._param_read_guard, gathers=self.process_groups.dp is not None)
 
     def _stepped_whole_names(self) -> set[str]:
         """The parameters this rank steps whole (with sharded parameters they view their bucket's shard)."""
         return {n for n in self._param_names.values()
-                if not self.layout.params[n].split and self.layout.params[n].owner == self.rank_for(n)}
+                if not self.layout.params[n].split and self.layout.params[n].owner == self._rank_for(n)}
 
     # --- sharded parameters (Note [when a bucket is full] in ``engine/sharded.py``) ---------------------------
     def _backward_started(self) -> None:
@@ -342,19 +346,12 @@ class LayerwiseDataParallel(nn.Module):
         self.grad_sync.end_of_backward()
         self.param_sync.end_of_backward()
 
-    def _grads_done(self, bucket: Bucket) -> None:
-        self.param_sync.grads_done(bucket)
-
     @contextlib.contextmanager
     def full_parameters(self):
         """Every parameter whole on this rank inside (collective: every rank enters it). With sharded parameters
         it gathers every bucket, and frees them on exit; writes inside persist where they land in this rank's
         shard (a parameter it steps whole, its piece of a split one), so a write every rank makes alike (loading
         a state dict) persists. Without sharding, it waits for the all-gathers in flight."""
-        if not self.shard_parameters:
-            self.finish_param_sync()
-            yield
-            return
         with self.param_sync.held_full():
             yield
 
@@ -364,24 +361,13 @@ class LayerwiseDataParallel(nn.Module):
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for p, piece in self.grad_sync.pieces.items():
                 if self._bucket_of[p].param_state is ParamState.READY:
-                    where = self.piece_of(p)
+                    where = self.grad_sync.unit_of(p).piece
                     piece.copy_(p.reshape(-1)[where.start:where.stop])
-
-    def held_full(self, buckets: list[Bucket]):
-        """Sharded parameters: a context inside which ``buckets`` are full (collective; every rank names the same
-        buckets). Writes into their split parameters reach this rank's pieces on exit."""
-        return self.param_sync.held(buckets)
-
-    @property
-    def split_buckets(self) -> list[Bucket]:
-        """The buckets holding a split parameter, in all-gather order (the same on every rank)."""
-        split = {id(self._bucket_of[p]) for p, n in self._param_names.items() if self.layout.params[n].split}
-        return [b for b in self.param_sync.gather_order if id(b) in split]
 
     def _guard_reads(self, named: dict[str, nn.Parameter]) -> bool:
         """Attaches the read guard to the parameters (Note [stale reads]); whether all-gathers may overlap the
         forward, which needs every parameter guarded."""
-        if self.param_read_guard == "off":
+        if self._param_read_guard == "off":
             return True
         unguardable = [n for p, n in self._param_names.items() if not read_guard.can_guard(p)]
         if unguardable and self._init_args["overlap_param_gather"]:
@@ -421,67 +407,30 @@ class LayerwiseDataParallel(nn.Module):
             if buckets:
                 buckets.sort(key=lambda b: order[id(b)])
                 handles.append(module.register_forward_pre_hook(self.param_sync.forward_pre_hook(buckets)))
-            if module in by_layer and self.shard_parameters:
-                handles.append(module.register_forward_hook(self.param_sync.before_backward_of(by_layer[module])))
+            hook = self.param_sync.before_backward_of(by_layer[module]) if module in by_layer else None
+            if hook is not None:
+                handles.append(module.register_forward_hook(hook))
         return handles
 
-    # --- ranks -------------------------------------------------------------------------------------------------------
-    dp_size = property(lambda self: self.ranks.dp_size, doc="Ranks in the data-parallel group.")
-    dp_rank = property(lambda self: self.ranks.dp_rank, doc="This rank's position in the data-parallel group.")
-    owner_size = property(lambda self: self.ranks.owner_size,
-                          doc="Ranks in an owner group (Note [owner groups] in ``engine/process_groups.py``).")
-    owner_rank = property(lambda self: self.ranks.owner_rank, doc="This rank's position in its owner group.")
-    replicas = property(lambda self: self.ranks.replicas, doc="Owner groups sharing each shard's stepping.")
-    layout_rank = property(lambda self: self.ranks.layout_rank,
-                           doc="Which dense pieces this rank steps: ``replica * g + position`` (Note [replica "
-                               "sharing] in ``layout/sharing.py``).")
-    expert_parallel_size = property(lambda self: self.ranks.expert_parallel_size,
-                                    doc="Ranks holding different experts (1: no expert parallelism).")
-    expert_dp_rank = property(lambda self: self.ranks.expert_dp_rank,
-                              doc="This rank's position in its expert data-parallel group.")
-    expert_replicas = property(lambda self: self.ranks.expert_replicas,
-                               doc="Expert owner groups sharing each expert shard's stepping.")
-    expert_owner_rank = property(lambda self: self.ranks.expert_owner_rank,
-                                 doc="This rank's position in its expert owner group.")
-
-    def rank_for(self, name: str) -> int:
+    def _rank_for(self, name: str) -> int:
         """This rank's index among the owners of parameter ``name``'s pieces: its position in the expert
-        data-parallel group for experts, else :attr:`layout_rank`."""
-        return self.expert_dp_rank if name in self.expert_names and self.expert_parallel_size > 1 \
-            else self.layout_rank
+        data-parallel group for experts, else ``ranks.layout_rank``."""
+        return self.ranks.expert_dp_rank if name in self.expert_names and self.ranks.expert_parallel_size > 1 \
+            else self.ranks.layout_rank
 
-    @property
-    def layout_group(self) -> dist.ProcessGroup | None:
+    def _layout_group(self) -> dist.ProcessGroup | None:
         """The group whose ranks, in order, are the owners of the dense pieces (Note [replica sharing] in
         ``layout/sharing.py``)."""
-        return self.process_groups.dp if self.replicas > 1 else self.process_groups.owner_group
+        return self.process_groups.dp if self.ranks.replicas > 1 else self.process_groups.owner_group
 
     # --- public queries -------------------------------------------------------------
-    def owns(self, param: nn.Parameter) -> bool:
-        """True if this rank steps all of ``param`` (its whole gradient lands in this rank's shard)."""
-        return self.grad_sync.owns(param)
-
-    def owned_parameters(self) -> Iterator[nn.Parameter]:
-        """What this rank steps: its whole parameters and its pieces of split ones (Note [pieces])."""
-        return (n_p[1] for n_p in self.named_owned_parameters())
-
     def named_owned_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """:meth:`owned_parameters` with the name of the model parameter each is (part of)."""
+        """What this rank steps, its whole parameters and its pieces of split ones (Note [pieces]), each with the
+        name of the model parameter it is (part of)."""
         for p, n in self._param_names.items():
             unit = self.grad_sync.unit_of(p)
             if unit is not None:
                 yield n, unit.tensor
-
-    def shard_of(self, param: nn.Parameter) -> nn.Parameter | None:
-        """This rank's piece of a split parameter, as a flat parameter viewing the param buffer
-        (``None`` if ``param`` is not split or this rank steps none of it). See Note [pieces]."""
-        return self.grad_sync.piece(param)
-
-    def piece_of(self, param: nn.Parameter):
-        """The :class:`~lightning_layerwise.layout.Piece` of ``param`` this rank steps, or ``None``."""
-        name = self._param_names.get(param)
-        return self.layout.params[name].piece_of(self.rank_for(name)) if name is not None \
-            else None
 
     def use_shards_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Puts this rank's pieces of split parameters in ``optimizer`` in place of the parameters.
@@ -495,27 +444,13 @@ class LayerwiseDataParallel(nn.Module):
             group["params"] = [pieces.get(p, p) for p in group["params"]]
         for p, shard in pieces.items():
             if p in optimizer.state:
-                piece = self.piece_of(p)
+                piece = self.grad_sync.unit_of(p).piece
                 cut = {k: (v, piece.cut(v, p.shape)) for k, v in optimizer.state.pop(p).items()}
                 optimizer.state[shard] = {k: c.clone() if c is not v else v for k, (v, c) in cut.items()}
-
-    def named_layout_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, parameter)`` of every parameter the layout places (the trainable ones), as
-        ``named_parameters()`` gives them."""
-        return ((n, p) for p, n in self._param_names.items())
-
-    def named_parameters_in_layout(self) -> Iterator[tuple[nn.Parameter, str]]:
-        """The former form of :meth:`named_layout_parameters`, ``(parameter, name)``."""
-        return iter(self._param_names.items())
 
     @property
     def buckets(self) -> list[Bucket]:
         return list(self._buckets)
-
-    @property
-    def flat_buffers(self) -> list[FlatBuffer]:
-        """The flat param and grad tensors, one pair per layout buffer."""
-        return list(self._flat_buffers)
 
     # --- the gradient side (GradientSync) ----------------------------------------------------------------------
     def no_sync(self):
@@ -532,168 +467,33 @@ class LayerwiseDataParallel(nn.Module):
         (:meth:`GradientSync.finish`)."""
         self.grad_sync.finish()
 
-    def zero_grad_buffer(self) -> None:
-        """Drops every gradient: zeros the gradient buffers and sets every ``.grad`` this wrapper gave to ``None``."""
-        self.grad_sync.zero_grad_buffer()
-
-    @property
-    def reduces_on_backward(self) -> bool:
-        """False inside :meth:`no_sync`: backward then only accumulates locally."""
-        return self.grad_sync.reduces_on_backward
-
-    @property
-    def grads_pending(self) -> bool:
-        """Gradients exist that :meth:`finish_grad_sync` has not reduced, so no optimizer may step yet."""
-        return self.grad_sync.grads_pending
-
-    @property
-    def grads_synced(self) -> bool:
-        """True from :meth:`finish_grad_sync` until the next backward restarts accumulation."""
-        return self.grad_sync.grads_synced
-
     def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
         """Declares ``master`` the float32 tensor the optimizer steps for ``tensor`` (``bf16-true``)."""
         self.grad_sync.set_master(tensor, master)
         _LIVE[id(master)] = self._live
         self._registered.append(master)
 
-    def grads_are_finite(self) -> bool:
-        """Whether every rank's reduced gradients are finite (collective)."""
-        return self.grad_sync.grads_are_finite()
-
-    def grad_norm_squared(self) -> torch.Tensor:
-        """Sum of squares of the full reduced gradient (collective)."""
-        return self.grad_sync.grad_norm_squared()
-
-    def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None,
-                  extra: torch.Tensor | None = None) -> torch.Tensor:
-        """``fn`` summed over the whole reduced gradient, once per element (:meth:`GradientSync.shard_sum`)."""
-        return self.grad_sync.shard_sum(fn, units, extra)
-
-    def own_shard(self, bucket: Bucket) -> torch.Tensor:
-        """What this rank steps of ``bucket``'s gradient; after the sync, the mean over every rank."""
-        return self.grad_sync.own_shard(bucket)
-
-    @property
-    def owned_units(self) -> list[GradUnit]:
-        """Everything this rank steps, in registration order."""
-        return self.grad_sync.owned_units
-
-    def unit_of(self, tensor: torch.Tensor) -> GradUnit | None:
-        """What this rank steps of ``tensor`` (a parameter, a piece or a master), or ``None``."""
-        return self.grad_sync.unit_of(tensor)
-
-    def units_of(self, tensors) -> list[GradUnit]:
-        """What this rank steps of ``tensors`` (each unit once, in list order)."""
-        return self.grad_sync.parameter_lists.units_of(tensors)
-
-    def units_and_votes(self, tensors) -> tuple[list[GradUnit], torch.Tensor]:
-        """:meth:`units_of` ``tensors`` and this rank's vote on the list (Note [parameter lists] in
-        ``engine/clip.py``)."""
-        return self.grad_sync.parameter_lists.units_and_votes(tensors)
-
-    def check_list_votes(self, votes: torch.Tensor, what: str) -> None:
-        """Raises on every rank alike if the summed votes show lists that disagree
-        (:meth:`ParameterLists.check_votes`)."""
-        self.grad_sync.parameter_lists.check_votes(votes, what)
-
-    def resolve_list_votes(self) -> None:
-        """Reads a verdict left on an accelerator by :meth:`check_list_votes`, raising as it would have."""
-        self.grad_sync.parameter_lists.resolve_votes()
-
-    def layout_parameter_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
-        """The model parameter ``tensor`` is, or is this rank's piece or master of; ``None`` outside the layout."""
-        return self.grad_sync.layout_parameter_of(tensor)
-
-    def owns_tensor(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is one this wrapper trains: a parameter in its layout, a piece or a master."""
-        return self.grad_sync.owns_tensor(tensor)
-
-    def is_expert(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` is an expert parameter reduced over its expert data-parallel group."""
-        return self.grad_sync.is_expert(param)
-
-    def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
-        return self.grad_sync.handed_out_gradient(tensor)
-
-    def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
-        """``param.grad`` was cleared: clear what the optimizer holds in its place (a piece, a master)."""
-        self.grad_sync.clear_stepped_grad(param, set_to_none)
-
-    def buckets_of(self, tensors) -> list[Bucket]:
-        """The buckets holding any of ``tensors`` (parameters, pieces or masters), in all-gather order."""
-        return self.grad_sync.buckets_of(tensors)
-
     # --- the parameter side (ParameterSync) --------------------------------------------------------------------
     def start_param_sync(self, force_sync: bool = False, tensors=None) -> None:
         """Starts all-gathering the buckets (those holding ``tensors``, the same set on every rank, if given)
         from each rank's shard of the param buffer (:meth:`ParameterSync.start`)."""
-        self.param_sync.start(None if tensors is None else self.buckets_of(tensors), force_sync)
-
-    def finish_param_sync(self) -> None:
-        """Dispatches and waits for every outstanding all-gather (before eval, checkpoints, a step)."""
-        self.param_sync.finish()
-
-    @property
-    def overlap_param_gather(self) -> bool:
-        """All-gathers overlap the next forward (else :meth:`start_param_sync` completes them)."""
-        return self.param_sync.overlap
-
-    @property
-    def guarded_reads(self) -> int:
-        """Reads that had to wait for their bucket outside a forward pre-hook (Note [stale reads])."""
-        return self.param_sync.guarded_reads
-
-    @property
-    def comm_wait_seconds(self) -> dict[str, float] | None:
-        """Seconds blocked in waits, by collective; ``None``: not timed. See Note [timing communication waits] in
-        ``engine/waiter.py``; set it to ``{}`` to start timing."""
-        return self._waiter.seconds
-
-    @comm_wait_seconds.setter
-    def comm_wait_seconds(self, value: dict[str, float] | None) -> None:
-        self._waiter.seconds = value
-
-    @property
-    def events(self) -> list[tuple[str, str]] | None:
-        """The collective events, ``(event, bucket)``, when built with ``trace=True``."""
-        return self._waiter.events
-
-    @events.setter
-    def events(self, value: list[tuple[str, str]] | None) -> None:
-        self._waiter.events = value
+        self.param_sync.start(None if tensors is None else self.grad_sync.buckets_of(tensors), force_sync)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
             self.compiled_forward = True  # Note [compiled wrapper]
         self._before_forward()
-        if not self.shard_parameters:
-            return self.module(*args, **kwargs)
-        # Note [when a bucket is full] in ``engine/sharded.py``: reads inside gather on demand; what autograd saves
-        # of a bucket is gathered again for the backward.
-        with self.param_sync.reads_allowed():
-            if not torch.is_grad_enabled():  # no backward follows: nothing stays full after it
-                try:
-                    return self.module(*args, **kwargs)
-                finally:
-                    self.param_sync.reshard_all()
-            with self.param_sync.saved_tensors_hooks():
-                return self.module(*args, **kwargs)
+        return self.param_sync.run_forward(lambda: self.module(*args, **kwargs))
 
     @torch.compiler.disable
     def _before_forward(self) -> None:
         """The step's bookkeeping before a training forward, always run eagerly (Note [compiled wrapper])."""
-        if self.shard_parameters and self.compiled_forward:
-            raise RuntimeError(
-                "shard_parameters=True does not support a model compiled around the strategy's wrapper yet "
-                "(fabric.setup of a torch.compile'd model): compile the model's blocks instead, or turn "
-                "shard_parameters off.")
+        self.param_sync.check_forward(self.compiled_forward)
         if torch.is_grad_enabled() and self.module.training:
             new = self._fixed_module.check()  # Note [fixed module] in ``engine/module_checks.py``
             if new:
                 self._new_trainable(new)
-            if self.broadcast_buffers:
+            if self._broadcast_buffers:
                 self._broadcast_module_buffers()
 
     def _broadcast_module_buffers(self) -> None:
@@ -728,14 +528,15 @@ class LayerwiseDataParallel(nn.Module):
         pieces (:meth:`use_shards_in`) and gradients still held are dropped. Parameter all-gathers
         in flight are completed first.
         """
-        keep = {"training": self.training, "comm_wait_seconds": self.comm_wait_seconds,
-                "compiled_forward": self.compiled_forward, "events": self.events,
+        waiter = self._waiter
+        keep = {"training": self.training, "compiled_forward": self.compiled_forward,
                 "on_new_trainable": self.on_new_trainable}
         args = dict(self._init_args, layout=layout, elementwise=elementwise, process_groups=self.process_groups)
         self.release()
         LayerwiseDataParallel.__init__(self, **args)
         for name, value in keep.items():
             setattr(self, name, value)
+        self._waiter.seconds, self._waiter.events = waiter.seconds, waiter.events
 
     # --- replica check (Note [replica check] in ``engine/replica_check.py``) ------------------------------------
     def check_replicas(self) -> None:
@@ -748,11 +549,11 @@ class LayerwiseDataParallel(nn.Module):
         group = self.process_groups.dp
         if group is None:
             return
-        self.finish_param_sync()
+        self.param_sync.finish()
         names = {p: n for n, p in self.module.named_parameters()}  # frozen ones too: never all-gathered
-        if self.shard_parameters:  # each rank holds its own shard of the rest: nothing to compare
+        if not self.param_sync.holds_whole:  # each rank holds its own shard of the rest: nothing to compare
             names = {p: n for p, n in names.items() if p not in self._param_names}
-        replica_check.check_replicas(names, group, self._bucket_of, self.expert_names, self.expert_parallel_size)
+        replica_check.check_replicas(names, group, self._bucket_of, self.expert_names, self.ranks.expert_parallel_size)
 
     def release(self, wait: bool = True, whole: bool = True) -> nn.Module:
         """Waits for pending all-gathers, removes every hook and gives parameters their own storage.

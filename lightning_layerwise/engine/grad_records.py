@@ -10,12 +10,16 @@ lifecycle] and Note [in-place gradients] in ``engine/grad_sync.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .buffers import Bucket
 from .split_gradient import SplitGradient
+
+if TYPE_CHECKING:
+    from ..layout import Piece
 
 __all__ = ["GradRecord", "GradUnit"]
 
@@ -39,6 +43,8 @@ class GradUnit:
     master: torch.Tensor | None = None
     """A float32 master the optimizer steps in place of ``tensor`` (``bf16-true``), set by
     :meth:`GradientSync.set_master`."""
+    piece: Piece | None = None
+    """With ``split``: where the piece lies in ``param``, as the layout plans it."""
 
     @property
     def stepped(self) -> torch.Tensor:

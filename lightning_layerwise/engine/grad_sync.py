@@ -35,7 +35,7 @@ Note [gradient lifecycle]
     rank sends exactly what ``ddp`` would, and the result is the sum of every
     backward's mean gradient. When every unit was cleared (``zero_grad`` before
     each step: the usual loop) nothing is carried and no memory is used for it.
-    :meth:`LayerwiseDataParallel.zero_grad_buffer` drops everything.
+    :meth:`zero_grad_buffer` drops everything.
 
     A bare ``loss.backward()`` that bypasses the strategy runs autograd before
     anything can restart accumulation: the first parameter to receive a gradient
@@ -130,6 +130,7 @@ from .grad_records import GradRecord, GradUnit
 from .live_wrappers import _SYNCS
 from .split_gradient import SplitGradient, make_split_gradient
 from .waiter import Waiter
+from ..layout import Piece
 
 
 class GradientSync:
@@ -146,7 +147,7 @@ class GradientSync:
         grad_views: each parameter's slot of its grad buffer, strided as the parameter.
         owned: the parameters this rank steps whole.
         split: every parameter stepped in pieces (Note [pieces] in ``engine/data_parallel.py``), on every rank.
-        pieces: this rank's piece of each split parameter it steps, and the piece's slot of the grad buffer.
+        pieces: this rank's piece of each split parameter it steps, its slot of the grad buffer, its layout Piece.
         waiter: waits (errors, timing, tracing) shared with the parameter side.
         groups: the process groups; ``layout_group``: the group whose ranks own the dense pieces.
         experts: the names of expert parameters; ``expert_parallel_size``: ranks holding different experts.
@@ -161,13 +162,13 @@ class GradientSync:
 
     def __init__(self, buckets: list[Bucket], flat_buffers: list, names: dict[nn.Parameter, str],
                  grad_views: dict[nn.Parameter, torch.Tensor], owned: set, split: list[nn.Parameter],
-                 pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor]], waiter: Waiter, *, groups,
+                 pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor, Piece]], waiter: Waiter, *, groups,
                  layout_group=None, experts: frozenset = frozenset(), expert_parallel_size: int = 1,
                  overlap_grad_reduce: bool = True, before_reduce: Callable[[], None] = lambda: None,
                  sharded: bool = False, stepped_slots: dict[nn.Parameter, torch.Tensor] | None = None,
                  on_backward: Callable[[], None] = lambda: None, grads_done: Callable[[Bucket], None] = lambda b: None,
                  reduces_in_flight: int = 2) -> None:
-        self._buckets, self._flat_buffers, self._param_names = buckets, flat_buffers, names
+        self._buckets, self.flat_buffers, self._param_names = buckets, flat_buffers, names
         self.waiter, self.process_groups, self.layout_group = waiter, groups, layout_group
         self.expert_parallel_size, self.overlap_grad_reduce = expert_parallel_size, overlap_grad_reduce
         self._before_reduce = before_reduce
@@ -179,7 +180,7 @@ class GradientSync:
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._gather_order = sorted(buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
-        self._pieces = {p: piece for p, (piece, _) in pieces.items()}
+        self._pieces = {p: piece for p, (piece, *_) in pieces.items()}
         # Whether each split parameter got a gradient here this step, kept on the device so that agreeing on it
         # (Note [pieces] in ``engine/data_parallel.py``) needs no host transfer; set by the gradient hook, zeroed with
         # the buffers.
@@ -211,7 +212,8 @@ class GradientSync:
         self.stepped_whole = frozenset(owned)
         """The parameters this rank steps whole."""
         self._units = [GradUnit(p, p, slots[p], self._bucket_of[p], self._records[p]) if p in owned else
-                       GradUnit(p, pieces[p][0], pieces[p][1], self._bucket_of[p], self._records[p], split=True)
+                       GradUnit(p, *pieces[p][:2], self._bucket_of[p], self._records[p], split=True,
+                                piece=pieces[p][2])
                        for p in names if p in owned or p in pieces]
         self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
         self._unit_of.update((u.param, u) for u in self._units)
@@ -226,7 +228,7 @@ class GradientSync:
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
 
     def _device(self) -> torch.device:
-        return self._flat_buffers[0].grads.device
+        return self.flat_buffers[0].grads.device
 
     @property
     def reduces_on_backward(self) -> bool:
@@ -344,7 +346,7 @@ class GradientSync:
                     if hasattr(t, "main_grad"):
                         del t.main_grad
         self._copies.clear()
-        for flat in self._flat_buffers:
+        for flat in self.flat_buffers:
             flat.grads.zero_()
         for b in self._buckets:
             b.restart()
@@ -670,7 +672,7 @@ class GradientSync:
         unit = self._unit_of.get(param)
         return unit is not None and unit.param is param and not unit.split
 
-    def piece(self, param: nn.Parameter) -> nn.Parameter | None:
+    def piece_of(self, param: nn.Parameter) -> nn.Parameter | None:
         """This rank's piece of split parameter ``param`` (Note [pieces] in ``engine/data_parallel.py``), or
         ``None``."""
         return self._pieces.get(param)
@@ -711,7 +713,7 @@ class GradientSync:
         """What this rank steps of ``tensor`` (a parameter, a piece or a master), or ``None`` if nothing."""
         return self._unit_of.get(tensor)
 
-    def owns_tensor(self, tensor: torch.Tensor) -> bool:
+    def trains(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is one this wrapper trains: a parameter in its layout, a piece or a master."""
         return tensor in self._param_names or tensor in self._unit_of
 

@@ -177,9 +177,9 @@ def synced_wrapper(tensors: list) -> LayerwiseDataParallel | None:
                              "parameters of each wrapper separately.")
         found = wrapper
     if found is None:
-        synced = [w for w in live_wrappers() if w.grads_synced]
+        synced = [w for w in live_wrappers() if w.grad_sync.grads_synced]
         found = max(synced, key=lambda w: w.grad_sync.synced_at) if synced else None
-    return found if found is not None and found.grads_synced else None
+    return found if found is not None and found.grad_sync.grads_synced else None
 
 
 def _as_list(parameters) -> list:
@@ -196,7 +196,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     wrapper = synced_wrapper(params)
     if wrapper is None:
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    foreign = [p for p in params if not wrapper.grad_sync.trains(p)]
     total = clip.grad_norm(wrapper, norm_type, parameters=params)
     foreign_grads = [p.grad for p in foreign if p.grad is not None]
     if foreign_grads:  # tensors the wrapper does not train: this rank's own values, as torch computes them
@@ -223,7 +223,7 @@ def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
     if wrapper is None:
         return original(params, max_norm, total_norm, foreach)
     clip.scale_grads_by_norm_(wrapper, max_norm, total_norm, parameters=params)
-    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    foreign = [p for p in params if not wrapper.grad_sync.trains(p)]
     if foreign:
         original(foreign, max_norm, total_norm, foreach)
     return None
@@ -238,7 +238,7 @@ def _clip_grad_value_(parameters, clip_value, foreach=None):
     if wrapper is None:
         return original(params, clip_value, foreach)
     clip.clip_grad_value_(wrapper, clip_value, parameters=params)
-    foreign = [p for p in params if not wrapper.owns_tensor(p)]
+    foreign = [p for p in params if not wrapper.grad_sync.trains(p)]
     if foreign:
         original(foreign, clip_value, foreach)
     return None
@@ -260,7 +260,7 @@ def _get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=No
 
 
 def _handed_out_by_live_wrapper(tensor: torch.Tensor) -> bool:
-    return any(w.dp_size > 1 and w.handed_out_gradient(tensor) for w in live_wrappers())
+    return any(w.ranks.dp_size > 1 and w.grad_sync.handed_out_gradient(tensor) for w in live_wrappers())
 
 
 def _module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
@@ -269,7 +269,7 @@ def _module_zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
         for p in self.parameters():
             wrapper = wrapper_of(p)
             if wrapper is not None:
-                wrapper.clear_stepped_grad(p, set_to_none)
+                wrapper.grad_sync.clear_stepped_grad(p, set_to_none)
 
 
 for _name, _replacement in (("clip_grad_norm_", _clip_grad_norm_), ("clip_grad_value_", _clip_grad_value_),
@@ -282,16 +282,16 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
     """Each parameter's full gradient norm, for the parameters that have a gradient on some rank (collective:
     one all-reduce of a value and a flag per parameter, per kind of group)."""
     infinite = math.isinf(p)
-    device = wrapper.flat_buffers[0].grads.device
+    device = wrapper.grad_sync.flat_buffers[0].grads.device
     groups = wrapper.process_groups
     kinds: dict[bool, list] = {False: [], True: []}  # expert? -> [(name, local value, has gradient)]
     local_norms: dict[str, torch.Tensor] = {}
     for name, param in named:
-        if not wrapper.owns_tensor(param):
+        if not wrapper.grad_sync.trains(param):
             if param.grad is not None:  # not trained by the wrapper: this rank's value, as Lightning computes it
                 local_norms[name] = param.grad.detach().norm(p)
             continue
-        unit = wrapper.unit_of(param)
+        unit = wrapper.grad_sync.unit_of(param)
         held = unit is not None and unit.stepped.grad is not None
         if held:
             g = unit.slot.detach().float()
@@ -299,7 +299,7 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
                                                                   else torch.zeros((), device=g.device))
         else:
             value = torch.zeros((), device=device)
-        expert = wrapper.is_expert(param)
+        expert = wrapper.grad_sync.is_expert(param)
         kinds[expert].append((name, value.to(device), 1.0 if held else 0.0))
     out: dict[str, torch.Tensor] = {}
     for expert, entries in kinds.items():
@@ -311,7 +311,7 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
         if expert:
             group = groups.expert_dp
         else:
-            group = groups.dp if infinite else wrapper.layout_group
+            group = groups.dp if infinite else wrapper.grad_sync.layout_group
         if infinite:
             collectives.all_reduce_max(both, group)
         else:

@@ -88,6 +88,6 @@ class MasterWeights:
                 value = state[key]
                 if value.numel() != master.numel():  # a full master; this rank steps a piece of it
                     slot = self.wrapper.layout.params[name]
-                    value = slot.piece_of(self.wrapper.rank_for(name)).cut(value, slot.shape)
+                    value = self.wrapper.grad_sync.unit_of(p).piece.cut(value, slot.shape)
                 master.copy_(value.reshape(master.shape))
         self.write_back()

@@ -43,8 +43,9 @@ Note [compiled pre-hooks]
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Callable, Iterable, Literal
+from typing import Callable, ContextManager, Iterable, Literal, Protocol
 
 import torch
 from torch import nn
@@ -53,6 +54,41 @@ from . import collectives, read_guard
 from .buffers import Bucket, ParamState
 from .read_guard import StaleParameterReadError
 from .waiter import Waiter
+
+
+class ParameterSide(Protocol):
+    """What the wrapper asks of its parameter side: :class:`ParameterSync`, or with sharded parameters
+    :class:`~lightning_layerwise.engine.sharded.ShardedParameterSync`. The wrapper picks one when it builds its parts
+    and calls it alike afterwards."""
+
+    gather_order: list[Bucket]
+    """Every bucket, in the order all-gathers are dispatched (forward order, Note [bucket order] in
+    ``engine/data_parallel.py``)."""
+    split_buckets: list[Bucket]
+    """The buckets holding a split parameter, in :attr:`gather_order` (the same on every rank)."""
+    names: dict[nn.Parameter, str]
+    """Every parameter the layout places (the trainable ones), and its name."""
+    prefetch_depth: int
+    overlap: bool
+    guarded_reads: int
+    holds_whole: bool
+    """Whether every rank holds every parameter whole between steps (sharded: only its shards)."""
+
+    @property
+    def pending(self) -> bool: ...
+    def start(self, buckets: Iterable[Bucket] | None = None, force_sync: bool = False) -> None: ...
+    def finish(self) -> None: ...
+    def ensure_gathered(self, bucket: Bucket) -> None: ...
+    def forward_pre_hook(self, buckets: list[Bucket]) -> Callable: ...
+    def before_backward_of(self, buckets: list[Bucket]) -> Callable | None: ...
+    def on_pending_read(self, param: nn.Parameter, func: Callable) -> None: ...
+    def check_forward(self, compiled: bool) -> None: ...
+    def run_forward(self, call: Callable[[], object]) -> object: ...
+    def grads_done(self, bucket: Bucket) -> None: ...
+    def end_of_backward(self) -> None: ...
+    def held(self, buckets: list[Bucket]) -> ContextManager[None]: ...
+    def held_full(self) -> ContextManager[None]: ...
+    def release(self, wait: bool = True) -> None: ...
 
 
 class ParameterSync:
@@ -67,12 +103,14 @@ class ParameterSync:
             :meth:`start` completes every gather before returning).
         read_guard: ``"wait"``, ``"strict"`` or ``"off"`` (Note [stale reads] in ``engine/data_parallel.py``).
         gathers: whether there is anything to gather from (``False`` on one process).
+        split_buckets: the buckets holding a split parameter, in ``gather_order``.
     """
 
     def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter, *,
                  prefetch_depth: int = 2, overlap: bool = True, read_guard: Literal["wait", "strict", "off"] = "wait",
-                 gathers: bool = True) -> None:
+                 gathers: bool = True, split_buckets: list[Bucket] | None = None) -> None:
         self.gather_order = gather_order
+        self.split_buckets = list(split_buckets or [])
         self.names = names
         self.waiter = waiter
         self.prefetch_depth = prefetch_depth
@@ -135,7 +173,7 @@ class ParameterSync:
                 f"(bucket {bucket.name}) had not landed, outside the forward pre-hook of the module that holds it. "
                 "With param_read_guard='wait' (the default) this read waits for the bucket and is correct, but "
                 "it may cost overlap: call the module itself, or read parameters after "
-                "strategy.sync_parameters() (wrapper.finish_param_sync())."
+                "strategy.sync_parameters() (wrapper.param_sync.finish())."
             )
         self.guarded_reads += 1
         self.ensure_gathered(bucket)
@@ -165,6 +203,37 @@ class ParameterSync:
                 for b in buckets:
                     self.ensure_gathered(b)
         return hook
+
+    # Every rank holds every parameter whole: what the sharded side does around a forward, a backward and a
+    # hold is only waiting for the all-gathers in flight here.
+    holds_whole = True
+
+    def check_forward(self, compiled: bool) -> None:
+        """Before a training forward: any forward runs, compiled or not."""
+
+    def run_forward(self, call: Callable[[], object]) -> object:
+        """Runs the wrapped module's forward, ``call``."""
+        return call()
+
+    def before_backward_of(self, buckets: list[Bucket]) -> Callable | None:
+        """No hook: buckets stay whole from the forward to the backward."""
+        return None
+
+    def grads_done(self, bucket: Bucket) -> None:
+        """Nothing to free."""
+
+    def end_of_backward(self) -> None:
+        """Nothing to free."""
+
+    @contextlib.contextmanager
+    def held(self, buckets: list[Bucket]):
+        """``buckets`` whole inside: the all-gathers in flight are waited for."""
+        self.finish()
+        yield
+
+    def held_full(self) -> ContextManager[None]:
+        """Every bucket whole inside."""
+        return self.held(self.gather_order)
 
     def release(self, wait: bool = True) -> None:
         """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""

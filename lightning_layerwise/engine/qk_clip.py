@@ -203,10 +203,10 @@ class QKClip:
         if wrapper is None:
             target, piece = param, None
         else:
-            unit = wrapper.unit_of(param)
+            unit = wrapper.grad_sync.unit_of(param)
             if unit is None:  # another rank steps it
                 return
-            target, piece = unit.stepped, wrapper.piece_of(param) if unit.split else None
+            target, piece = unit.stepped, unit.piece
         row_length = math.prod(param.shape[1:])  # from the shape alone: a sharded parameter is not read
         if piece is None:
             view = target.view(param.shape[0], -1)

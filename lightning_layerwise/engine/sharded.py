@@ -161,6 +161,7 @@ class ShardedParameterSync:
         names: each parameter's name, for errors.
         waiter: waits (errors, timing, tracing) shared with the gradient side.
         stepped_whole: the parameters that view their bucket's shard (this rank steps them whole).
+        split_buckets: the buckets holding a split parameter, in ``gather_order``.
         prefetch_depth: how many all-gathers may be in flight at once.
         reshard_after_forward: free buckets during the forward, gathering them again for the backward.
         read_guard: ``"wait"`` or ``"strict"`` (reads outside a module's pre-hook raise).
@@ -168,12 +169,14 @@ class ShardedParameterSync:
 
     overlap = True
     gathers = True
+    holds_whole = False
 
     def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter, *,
-                 stepped_whole: set, prefetch_depth: int = 2, reshard_after_forward: bool = True,
-                 read_guard: Literal["wait", "strict"] = "wait",
+                 stepped_whole: set, split_buckets: list[Bucket] | None = None, prefetch_depth: int = 2,
+                 reshard_after_forward: bool = True, read_guard: Literal["wait", "strict"] = "wait",
                  on_backward: Callable[[], None] = lambda: None, write_back: Callable[[], None] = lambda: None) -> None:
         self.gather_order = gather_order
+        self.split_buckets = list(split_buckets or [])
         self.names = names
         self.waiter = waiter
         self.prefetch_depth = prefetch_depth
@@ -417,6 +420,27 @@ class ShardedParameterSync:
                 if outputs:
                     torch.autograd.graph.register_multi_grad_hook(outputs, gather, mode="any")
         return hook
+
+    def check_forward(self, compiled: bool) -> None:
+        """Before a training forward: a wrapper compiled around is refused (Note [compiled wrapper] in
+        ``engine/data_parallel.py``)."""
+        if compiled:
+            raise RuntimeError(
+                "shard_parameters=True does not support a model compiled around the strategy's wrapper yet "
+                "(fabric.setup of a torch.compile'd model): compile the model's blocks instead, or turn "
+                "shard_parameters off.")
+
+    def run_forward(self, call: Callable[[], object]) -> object:
+        """Runs the wrapped module's forward, ``call``: reads inside gather on demand; what autograd saves of a
+        bucket is gathered again for the backward (Note [when a bucket is full])."""
+        with self.reads_allowed():
+            if not torch.is_grad_enabled():  # no backward follows: nothing stays full after it
+                try:
+                    return call()
+                finally:
+                    self.reshard_all()
+            with self.saved_tensors_hooks():
+                return call()
 
     def saved_tensors_hooks(self):
         """The context the wrapper's forward runs in."""

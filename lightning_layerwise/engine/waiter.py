@@ -1,9 +1,9 @@
 """Waiting for the engine's collectives: one object that both sides of the engine share.
 
 Note [timing communication waits]
-    :attr:`Waiter.seconds` (``LayerwiseDataParallel.comm_wait_seconds``) is ``None`` by
+    :attr:`Waiter.seconds` (``wrapper.grad_sync.waiter.seconds``) is ``None`` by
     default and then nothing is timed (one ``is None`` test per wait). Setting it to a
-    dict (``wrapper.comm_wait_seconds = {}``) makes every wait of the wrapper add its
+    dict (``wrapper.grad_sync.waiter.seconds = {}``) makes every wait of the wrapper add its
     wall-clock seconds under ``"reduce_scatter"``, ``"all_gather"`` or
     ``"norm_all_reduce"`` (the synchronous all-reduce of ``GradientSync.shard_sum``,
     behind every gradient norm): the time this process was blocked on communication that

@@ -243,7 +243,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         if optimizer not in self.session.optimizers:
             raise RuntimeError(f"strategy='layerwise': {what} with an optimizer that was not set up with the trained "
                                "module; set it up with fabric.setup(model, optimizer).")
-        if self.session.wrapper.grads_pending:
+        if self.session.wrapper.grad_sync.grads_pending:
             raise RuntimeError(f"strategy='layerwise': {what} after a backward inside fabric.no_backward_sync(model):"
                                " those gradients were never reduced. Run the last micro-batch's backward outside "
                                "no_backward_sync (enabled=False on the step's last micro-batch).")

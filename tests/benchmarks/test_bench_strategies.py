@@ -120,7 +120,7 @@ def test_tiny_end_to_end_one_rank(tmp_path):
     assert ddp["comm_bytes_by_kind"]["all_reduce_ddp_buckets"] == n_bytes
     assert layerwise["comm_bytes_by_kind"].get("reduce_scatter_single", 0) == 0
     assert layerwise["ns_ms_median"] > 0
-    # The wrapper's own wait timers (LayerwiseDataParallel.comm_wait_seconds) were switched on.
+    # The wrapper's own wait timers (wrapper.grad_sync.waiter.seconds) were switched on.
     assert {"reduce_scatter", "norm_all_reduce"} <= set(layerwise["wrapper_wait_ms_by_kind"])
     assert (tmp_path / "strategies.md").exists()  # named after the JSON
 

@@ -18,29 +18,24 @@ class FakeWrapper:
     def __init__(self, module: nn.Module, owned: set[str], rank: int = 0, layout=None, shards=None):
         self.named = dict(module.named_parameters())
         self.owned = owned
-        self.owner_rank = self.expert_dp_rank = self.layout_rank = rank
-        self.replicas = 1
-        self.layout_group = None
+        self.ranks = SimpleNamespace(owner_rank=rank, expert_dp_rank=rank, layout_rank=rank, replicas=1,
+                                     expert_parallel_size=1)
+        self.grad_sync = SimpleNamespace(layout_group=None, piece_of=self.piece_of, unit_of=self.unit_of)
+        self.param_sync = SimpleNamespace(names={p: n for n, p in self.named.items() if p.requires_grad})
         self.process_groups = ProcessGroups.single()
-        self.expert_parallel_size = 1
         self.expert_names = frozenset()
         self.shards = shards or {}  # name -> this rank's piece parameter
         self.layout = layout or SimpleNamespace(params={n: SimpleNamespace(split=False) for n in self.named})
-
-    def named_layout_parameters(self):
-        return ((n, p) for n, p in self.named.items() if p.requires_grad)
-
-    def owned_parameters(self):
-        return (p for _, p in self.named_owned_parameters())
 
     def named_owned_parameters(self):
         yield from ((n, self.named[n]) for n in self.owned)
         yield from self.shards.items()
 
-    def rank_for(self, name):
-        return self.owner_rank
+    def unit_of(self, p):
+        name = next(n for n, q in self.named.items() if q is p)
+        return SimpleNamespace(piece=self.layout.params[name].piece_of(self.ranks.owner_rank))
 
-    def shard_of(self, p):
+    def piece_of(self, p):
         return next((s for n, s in self.shards.items() if self.named[n] is p), None)
 
 

@@ -40,11 +40,11 @@ def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_0
             wrapper = getattr(trainer.strategy, "wrapper", None)
             inspected["n_state"] = len(opt.state)
             inspected["state_elements"] = sum(p.numel() for p in opt.state)  # a piece counts its elements
-            stepped = set() if wrapper is None else set(wrapper.owned_parameters())
+            stepped = set() if wrapper is None else {p for _, p in wrapper.named_owned_parameters()}
             inspected["only_owned"] = wrapper is None or all(p in stepped for p in opt.state)
             inspected["split"] = [] if wrapper is None else [n for n, s in wrapper.layout.params.items() if s.split]
-            inspected["replicas"] = 1 if wrapper is None else world // wrapper.owner_size
-            inspected["owned"] = None if wrapper is None else len(list(wrapper.owned_parameters()))
+            inspected["replicas"] = 1 if wrapper is None else world // wrapper.ranks.owner_size
+            inspected["owned"] = None if wrapper is None else len(list(wrapper.named_owned_parameters()))
             inspected["params_at_start"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
             names = {p: n for n, p in pl_module.named_parameters()}
             # NorMuon's state as loaded: the norm of each second moment (0 would mean it was not restored)
@@ -452,7 +452,7 @@ def _split_under_bf16(rank, world, bucket_size):
     class Probe(L.Callback):
         def on_train_end(self, trainer, pl_module):
             wrapper = trainer.strategy.wrapper
-            split.extend(n for n, p in pl_module.named_parameters() if wrapper.shard_of(p) is not None)
+            split.extend(n for n, p in pl_module.named_parameters() if wrapper.grad_sync.piece_of(p) is not None)
 
     trainer.callbacks.append(Probe())
     trainer.fit(model, loader())

@@ -85,9 +85,9 @@ def _save_gathers_worker(rank, world, fmt, root):
         optimizer.zero_grad()
         session.backward(torch.nn.functional.mse_loss(wrapped(x), y))
         session.step(optimizer)
-    wrapped.events = []
+    wrapped.grad_sync.waiter.events = []
     session.save_checkpoint(f"{root}/{fmt}")
-    events, split = list(wrapped.events), {b.name for b in wrapped.split_buckets}
+    events, split = list(wrapped.grad_sync.waiter.events), {b.name for b in wrapped.param_sync.split_buckets}
     with llw.full_parameters(model):
         saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     session.release()

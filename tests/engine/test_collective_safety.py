@@ -116,7 +116,7 @@ def _in_flight_worker(rank, world, method):
     wrapper(torch.randn(3, 8)).sum().backward()  # reduce-scatters dispatched during backward, not waited
     dispatched = log.count("dispatch")
     log.append("zero" if method == "zero_grad_buffer" else "release")
-    getattr(wrapper, method)()
+    getattr(wrapper.grad_sync if method == "zero_grad_buffer" else wrapper, method)()
     return dispatched, log
 
 

@@ -114,7 +114,7 @@ def _grads_worker(rank, world, bucket_size):
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if ddp.owns(p):
+        if ddp.grad_sync.owns(p):
             owned.append(name)
             if name not in per_rank:
                 none_ok &= p.grad is None  # unused everywhere: no gradient, as in the reference
@@ -138,7 +138,7 @@ def _train_worker(rank, world, opt_name, steps, kwargs):
         ddp.finish_grad_sync()
         opt.step()
         ddp.start_param_sync()
-    ddp.finish_param_sync()
+    ddp.param_sync.finish()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     padding_zero = all(_padding_is_zero(ddp, which) for which in ("params", "grads"))
     state_elems = sum(t.numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
@@ -146,7 +146,7 @@ def _train_worker(rank, world, opt_name, steps, kwargs):
 
 
 def _padding_is_zero(ddp: LayerwiseDataParallel, which: str) -> bool:
-    for plan, flat in zip(ddp.layout.buffers, ddp.flat_buffers):
+    for plan, flat in zip(ddp.layout.buffers, ddp.grad_sync.flat_buffers):
         mask = torch.ones(plan.numel, dtype=torch.bool)
         for bucket in plan.buckets:
             for name in bucket.params:
@@ -156,7 +156,7 @@ def _padding_is_zero(ddp: LayerwiseDataParallel, which: str) -> bool:
         if which == "grads":  # only this rank's shards are meaningful after a reduce-scatter
             shard_mask = torch.zeros_like(mask)
             for bucket in plan.buckets:
-                lo, hi = bucket.shard_range(ddp.dp_rank)
+                lo, hi = bucket.shard_range(ddp.ranks.dp_rank)
                 shard_mask[lo:hi] = True
             mask &= shard_mask
         if tensor[mask].abs().sum().item() != 0:
@@ -277,9 +277,10 @@ def _accumulation_worker(rank, world, micro):
         with ctx:
             (loss_fn(ddp, x, y) / micro).backward()
         if i < micro - 1:
-            assert not any(e == "rs_dispatch" for e, _ in ddp.events), "no_sync must skip communication"
+            events = ddp.grad_sync.waiter.events
+            assert not any(e == "rs_dispatch" for e, _ in events), "no_sync must skip communication"
     ddp.finish_grad_sync()
-    n_reduces = sum(1 for e, _ in ddp.events if e == "rs_dispatch")
+    n_reduces = sum(1 for e, _ in ddp.grad_sync.waiter.events if e == "rs_dispatch")
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     # The reference: every rank's micro-batches on one process, averaged over ranks.
     per_rank = rank_gradients(world, micro)
@@ -316,13 +317,13 @@ def _prefetch_worker(rank, world, depth):
     loss_fn(ddp, local(idx, rank, world), local(target, rank, world)).backward()
     ddp.finish_grad_sync()
     opt.step()
-    ddp.events.clear()
+    ddp.grad_sync.waiter.events.clear()
     ddp.start_param_sync()
     loss_fn(ddp, local(idx, rank, world), local(target, rank, world))  # forward waits bucket by bucket
-    forward_events = list(ddp.events)
-    ddp.finish_param_sync()
+    forward_events = list(ddp.grad_sync.waiter.events)
+    ddp.param_sync.finish()
     order = [b.name for b in ddp.param_sync.gather_order]
-    return forward_events, list(ddp.events), order
+    return forward_events, list(ddp.grad_sync.waiter.events), order
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -397,7 +398,7 @@ def _idle_rank_worker(rank, world):
         ddp.finish_grad_sync()
         opt.step()
         ddp.start_param_sync()
-    ddp.finish_param_sync()
+    ddp.param_sync.finish()
     return owned, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -615,7 +616,7 @@ def _hook_errors_worker(rank, world):
     wrapper = LayerwiseDataParallel(model)
     wrapper(x).sum().backward()
     wrapper.finish_grad_sync()
-    owns_last = wrapper.owns(model[2].weight)
+    owns_last = wrapper.grad_sync.owns(model[2].weight)
     try:
         with wrapper.no_sync():
             wrapper(x).sum().backward()
@@ -764,12 +765,12 @@ def test_one_process_needs_no_gradient_hook_but_a_master_does():
     wrapper = LayerwiseDataParallel(model, process_groups=ProcessGroups.single())
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     wrapper.prepare_backward()
-    assert not wrapper.grads_pending
+    assert not wrapper.grad_sync.grads_pending
     with wrapper.no_sync():
         _unused_net_loss(wrapper, torch.randn(4, 6)).backward()
-    assert wrapper.grads_pending
+    assert wrapper.grad_sync.grads_pending
     wrapper.finish_grad_sync()
-    assert not wrapper.grads_pending
+    assert not wrapper.grad_sync.grads_pending
     assert model.unused.weight.grad is None and model.a.weight.grad is not None
     master = model.a.weight.detach().clone()
     wrapper.set_master(model.a.weight, master)
@@ -856,7 +857,7 @@ def test_an_abandoned_backward_leaves_no_trace_in_the_next():
     wrapper.finish_grad_sync()
     wrapper.prepare_backward()  # after a sync: the slots become the .grad autograd adds into
     _switched_net_loss(wrapper, torch.randn(4, 6), use_unused=True).backward()
-    wrapper.zero_grad_buffer()
+    wrapper.grad_sync.zero_grad_buffer()
     _switched_net_loss(wrapper, torch.randn(4, 6), use_unused=False).backward()
     wrapper.finish_grad_sync()
     assert model.unused.weight.grad is None and model.unused.bias.grad is None

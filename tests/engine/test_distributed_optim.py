@@ -170,7 +170,7 @@ def _train_worker(rank: int, world: int, opt_names: list[str]) -> dict:
                 ddp.finish_grad_sync()
                 opt.step()
                 ddp.start_param_sync()
-        ddp.finish_param_sync()
+        ddp.param_sync.finish()
         owned = [n for n, _ in ddp.named_owned_parameters()]
         out[opt_name] = (snapshot(model), state_bytes(model, opt), owned)
     return out
@@ -316,7 +316,7 @@ def clip_run(rank: int = 0, world: int = 1, kwargs: dict | None = None, norms_fr
             total = _clip(step, model, ddp)
         totals.append(None if total is None else total.item())
         if ddp is not None:  # .grad (a view or a copy of the buffer) and main_grad were clipped alike
-            for p in ddp.owned_parameters():
+            for _, p in ddp.named_owned_parameters():
                 if p.grad is None:
                     continue
                 if p.grad.dtype == p.main_grad.dtype:  # a view of main_grad: the very same values
@@ -330,7 +330,7 @@ def clip_run(rank: int = 0, world: int = 1, kwargs: dict | None = None, norms_fr
         if ddp is not None:
             ddp.start_param_sync()
     if ddp is not None:
-        ddp.finish_param_sync()
+        ddp.param_sync.finish()
     return {"norms": norms, "totals": totals, "params": snapshot(model), "copies_agree": copies_agree,
             "exact_norms": exact}
 

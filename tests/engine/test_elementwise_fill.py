@@ -64,7 +64,7 @@ def _gpt_worker(rank: int, world: int, opt_names: list[str], owner_group_size: i
             ddp.finish_grad_sync()
             opt.step()
             ddp.start_param_sync()
-        ddp.finish_param_sync()
+        ddp.param_sync.finish()
         slots = ddp.layout.params
         out[opt_name] = {
             "params": snapshot(model),
@@ -168,7 +168,7 @@ def _accumulate_worker(rank: int, world: int) -> dict:
     opt = optimizer("adamw", model)
     ddp = wrap(model, opt, bucket_size=2048)
     norms = [_accumulate_step(model, ddp, opt, tokens, rank, world) for tokens in batches()]
-    ddp.finish_param_sync()
+    ddp.param_sync.finish()
     return {"params": snapshot(model), "norms": norms,
             "split": [n for n, s in ddp.layout.params.items() if s.split]}
 
@@ -262,7 +262,7 @@ def _branchy_worker(rank: int, world: int, mutate: bool) -> dict:
             ddp.finish_grad_sync()
             opt.step()
             ddp.start_param_sync()
-    ddp.finish_param_sync()
+    ddp.param_sync.finish()
     return {"params": snapshot(model), "split": [n for n, s in ddp.layout.params.items() if s.split]}
 
 

@@ -141,7 +141,7 @@ def _setup_worker(rank, world, meta, shard=True):
     peak, _ = _peak_during(lambda: box.append(session.wrap(model, optimizer)))
     wrapped = box[0]
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    in_optimizer = all(id(p) in stepped or id(wrapped.shard_of(p)) in stepped for p in model.parameters())
+    in_optimizer = all(id(p) in stepped or id(wrapped.grad_sync.piece_of(p)) in stepped for p in model.parameters())
     with llw.full_parameters(model):
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
     numel = sum(p.numel() for p in model.parameters())
@@ -378,7 +378,7 @@ def _default_bytes_worker(rank, world, mutation):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wrapped = session.wrap(model, optimizer)
     order = wrapped.param_sync.gather_order
-    depth = wrapped.prefetch_depth
+    depth = wrapped.param_sync.prefetch_depth
     index = {id(b): i for i, b in enumerate(order)}
     bucket_of = {id(p): b for b in order for p in b.params}
     nbytes = [b.param_data.numel() * b.param_data.element_size() for b in order]

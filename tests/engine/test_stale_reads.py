@@ -74,9 +74,9 @@ def _wrapper_worker(rank, world, cases, guard, bypass_guard=False):
                     regs.append(None if reg is None else reg.item())
             except llw.StaleParameterReadError as e:
                 error = str(e)
-            wrapper.finish_param_sync()
+            wrapper.param_sync.finish()
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-            results[(case, repeat)] = params, regs, error, wrapper.guarded_reads
+            results[(case, repeat)] = params, regs, error, wrapper.param_sync.guarded_reads
             wrapper.release()
     return results
 

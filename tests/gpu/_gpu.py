@@ -250,13 +250,13 @@ def _train_wrapped(model: nn.Module, batches, optimizer: str, **wrapper_kwargs) 
         opt.step()
         wrapper.start_param_sync()
         losses.append(loss.detach())
-    wrapper.finish_param_sync()
+    wrapper.param_sync.finish()
     torch.cuda.synchronize()
     events = {}
-    for event, _ in wrapper.events:
+    for event, _ in wrapper.grad_sync.waiter.events:
         events[event] = events.get(event, 0) + 1
     return {"params": _params_of(model), "losses": torch.stack(losses).cpu(), "buckets": len(wrapper.buckets),
-            "events": events, "owned": sum(1 for _ in wrapper.owned_parameters()),
+            "events": events, "owned": sum(1 for _ in wrapper.named_owned_parameters()),
             "n_params": len(list(model.parameters()))}
 
 

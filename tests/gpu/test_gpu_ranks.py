@@ -50,7 +50,7 @@ def _gloo_cuda_worker(rank: int, world: int, tmp: str, owner_group_size, opt_nam
                 ddp.finish_grad_sync()
                 opt.step()
                 ddp.start_param_sync()
-            ddp.finish_param_sync()
+            ddp.param_sync.finish()
             torch.cuda.synchronize()
             out[opt_name] = {"params": {n: v.cpu() for n, v in snapshot(model).items()},
                              "split": {n: len(s.pieces) for n, s in ddp.layout.params.items() if s.split},
@@ -124,13 +124,14 @@ def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
             out["norms"].append(torch.nn.utils.clip_grad_norm_(_filtered(model), CLIP_MAX_NORM).item())
             opt.step()
             ddp.start_param_sync()
-        ddp.finish_param_sync()
+        ddp.param_sync.finish()
         out["params"] = {n: v.cpu() for n, v in snapshot(model).items()}
         # A list that disagrees across ranks: on CUDA the verdict is read at the next norm (no host sync per step).
         opt.zero_grad()
         gpt_loss(ddp, tokens_list[-1].cuda().chunk(world)[rank]).backward()
         ddp.finish_grad_sync()
-        held = [p for p in model.parameters() if ddp.owns(p) or ddp.shard_of(p) is not None]  # whole or a piece
+        sync = ddp.grad_sync
+        held = [p for p in model.parameters() if sync.owns(p) or sync.piece_of(p) is not None]  # whole or a piece
         wrong = [p for p in model.parameters() if not (rank == 1 and p is held[0])]
         errors = []
         for listed in (wrong, list(model.parameters())):

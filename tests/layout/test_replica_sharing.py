@@ -287,10 +287,10 @@ def _worker(rank: int, world: int, g: int, opt_names: list[str], accumulate: boo
             for tokens in batches():
                 counter.step()
                 norms.append(_step(model, ddp, opt, tokens, rank, world, accumulate))
-        ddp.finish_param_sync()
+        ddp.param_sync.finish()
         state = sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
         out[opt_name] = {"params": snapshot(model), "ns": counter.per_step, "norms": norms,
-                         "matrices": muon_matrices(model), "replicas": ddp.replicas, "g": ddp.layout.group_size,
+                         "matrices": muon_matrices(model), "replicas": ddp.ranks.replicas, "g": ddp.layout.group_size,
                          "state_elements": state}
         groups.destroy()
     return out
@@ -377,8 +377,8 @@ def _expert_worker(rank: int, world: int, E: int, g: int, ge: int | None, bucket
     muon = [names[p] for group in muon_param_groups(model) if group["use_muon"] for p in group["params"]]
     result = {"params": global_names(model, groups.expert_parallel_rank * (NUM_EXPERTS // E)), "ns": counter.per_step,
               "dense_matrices": [n for n in muon if n not in experts],
-              "expert_matrices": [n for n in muon if n in experts], "replicas": ddp.replicas,
-              "expert_replicas": ddp.expert_replicas}
+              "expert_matrices": [n for n in muon if n in experts], "replicas": ddp.ranks.replicas,
+              "expert_replicas": ddp.ranks.expert_replicas}
     groups.destroy()
     return result
 

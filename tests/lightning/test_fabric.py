@@ -393,7 +393,7 @@ def _read_worker(rank, world, cases, guard):
             except llw.StaleParameterReadError as e:
                 error = str(e)
             fabric.strategy.sync_parameters()
-            results[(case, repeat)] = params_of(model), error, fabric.strategy.wrapper.guarded_reads
+            results[(case, repeat)] = params_of(model), error, fabric.strategy.wrapper.param_sync.guarded_reads
             fabric.strategy.teardown()
     return results
 

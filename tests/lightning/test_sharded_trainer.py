@@ -40,7 +40,7 @@ class Probe(L.Callback):
         self.seen["freed_between_steps"] &= all(b.param_state.value == "freed" for b in wrapper.buckets)
 
     def on_train_end(self, trainer, pl_module):
-        self.seen["guarded_reads"] = trainer.strategy.session.wrapper.guarded_reads
+        self.seen["guarded_reads"] = trainer.strategy.session.wrapper.param_sync.guarded_reads
 
 
 def _fit(strategy, world, model_kwargs, trainer_kwargs):

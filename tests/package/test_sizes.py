@@ -1,0 +1,128 @@
+"""The package's sizes, read from its source: modules, functions, the wrapper's surface and how much it only
+forwards.
+
+A module over 800 lines or a function over 80 (docstrings count) holds more than one reader keeps in mind.
+A method whose body, docstring aside, is one call of a part's method (``return self.part.name(...)``) or a
+property that returns a part's attribute is a second name for one thing (``docs/design.md``, "Where to start
+reading"): the wrapper exposes its parts instead, and keeps only the entries of a step that users call.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_layerwise"
+
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 80
+MAX_WRAPPER_DELEGATIONS = 5
+MAX_WRAPPER_NAMES = 25
+
+
+def modules() -> list[tuple[Path, str]]:
+    return [(path, path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
+    first = body[0] if body else None
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        return body[1:]
+    return body
+
+
+def _part_attribute(node: ast.expr) -> bool:
+    """``self.<part>.<name>``."""
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+        and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+
+
+def delegates(method: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``method`` only forwards to a part: ``[return] self.<part>.<name>(...)``, or a property returning
+    ``self.<part>.<name>``."""
+    body = _without_docstring(method.body)
+    if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)) or body[0].value is None:
+        return False
+    value = body[0].value
+    if isinstance(value, ast.Call):
+        return _part_attribute(value.func)
+    is_property = any(isinstance(d, ast.Name) and d.id == "property" for d in method.decorator_list)
+    return is_property and isinstance(body[0], ast.Return) and _part_attribute(value)
+
+
+def public_names(cls: ast.ClassDef) -> set[str]:
+    """The public methods, properties and class attributes of ``cls``, and the public attributes its ``__init__``
+    sets on ``self``."""
+    names = set()
+    for item in cls.body:
+        if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if not item.name.startswith("_"):
+                names.add(item.name)
+            if item.name == "__init__":
+                for node in ast.walk(item):
+                    targets = node.targets if isinstance(node, ast.Assign) else \
+                        [node.target] if isinstance(node, ast.AnnAssign) else []
+                    for target in targets:
+                        for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
+                                    and t.value.id == "self" and not t.attr.startswith("_"):
+                                names.add(t.attr)
+        elif isinstance(item, (ast.Assign, ast.AnnAssign)):
+            for target in item.targets if isinstance(item, ast.Assign) else [item.target]:
+                if isinstance(target, ast.Name) and not target.id.startswith("_"):
+                    names.add(target.id)
+    return names
+
+
+def classes(name: str) -> list[ast.ClassDef]:
+    return [node for _, source in modules() for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ClassDef) and node.name == name]
+
+
+def test_no_module_is_over_800_lines():
+    long = {str(path.relative_to(PACKAGE)): n for path, source in modules()
+            if (n := len(source.splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_no_function_is_over_80_lines():
+    long = {}
+    for path, source in modules():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long[f"{path.relative_to(PACKAGE)}:{node.name}"] = n
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_the_wrapper_forwards_few_calls_to_its_parts():
+    (wrapper,) = classes("LayerwiseDataParallel")
+    forwarding = [item.name for item in wrapper.body
+                  if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and delegates(item)]
+    assert len(forwarding) <= MAX_WRAPPER_DELEGATIONS, forwarding
+
+
+def test_the_wrapper_has_at_most_25_public_names():
+    (wrapper,) = classes("LayerwiseDataParallel")
+    names = public_names(wrapper)
+    assert len(names) <= MAX_WRAPPER_NAMES, sorted(names)
+
+
+def test_the_measure_finds_a_delegation():
+    source = '''
+class A:
+    def f(self, x):
+        """Doc."""
+        return self.part.f(x)
+
+    @property
+    def g(self):
+        return self.part.g
+
+    def h(self):
+        self.part.h()
+        return 1
+'''
+    (cls,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)]
+    assert [m.name for m in cls.body if delegates(m)] == ["f", "g"]
