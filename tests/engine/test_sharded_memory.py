@@ -545,7 +545,7 @@ def _full_grads_worker(rank, world, mutation):
         optimizer.zero_grad()
         session.backward(wrapped(torch.randn(4, 1024, generator=g)).square().mean())
         session.step(optimizer)
-    return max(held), wrapped.prefetch_depth, len(wrapped.buckets)
+    return max(held), wrapped.param_sync.prefetch_depth, len(wrapped.buckets)
 
 
 @pytest.mark.parametrize("mutation", [None, "fold-at-dispatch"])
