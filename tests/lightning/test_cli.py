@@ -8,6 +8,7 @@ it under "messages to improve"); a value outside a ``Literal`` choice is a usage
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -28,13 +29,49 @@ CONFIGS = sorted(c for c in (ROOT / "examples" / "configs").glob("*.yaml") if c.
 TRAIN_MOE = str(ROOT / "examples" / "train_moe.py")
 
 
+# Each script's configs are printed by one interpreter, one LightningCLI run after another (the imports are most
+# of a run's time), each run's output and exit code kept apart.
+_PRINT_ALL = """
+import contextlib, io, json, runpy, sys
+script, configs, results = sys.argv[1], sys.argv[2:], {}
+for config in configs:
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    sys.argv = [script, "fit", "--config", config, "--print_config"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code or 0
+    results[config] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def printed_configs(tmp_path_factory):
+    """``printed(config)``: (exit code, stdout, stderr) of ``--print_config``; each script runs once, for all of
+    its configs, when the first of them is asked for."""
+    cwd, results = tmp_path_factory.mktemp("print_config"), {}
+
+    def printed(config: Path) -> list:
+        if str(config) not in results:
+            script = TRAIN_MOE if config.stem.startswith("moe") else TRAIN
+            configs = [str(c) for c in CONFIGS if (TRAIN_MOE if c.stem.startswith("moe") else TRAIN) == script]
+            result = subprocess.run([sys.executable, "-c", _PRINT_ALL, script, *configs], cwd=cwd,
+                                    capture_output=True, text=True, timeout=240)
+            assert result.returncode == 0, result.stderr[-3000:]
+            results.update(json.loads(result.stdout.splitlines()[-1]))
+        return results[str(config)]
+
+    return printed
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_print_config(config, tmp_path):
+def test_print_config(config, printed_configs):
     moe = config.stem.startswith("moe")
-    result = subprocess.run([sys.executable, TRAIN_MOE if moe else TRAIN, "fit", "--config", str(config),
-                             "--print_config"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    printed = yaml.safe_load(result.stdout)
+    code, stdout, stderr = printed_configs(config)
+    assert code == 0, stderr[-3000:]
+    printed = yaml.safe_load(stdout)
     strategy = printed["trainer"]["strategy"]
     assert strategy["class_path"] == "lightning_layerwise.LayerwiseStrategy"
     assert strategy["init_args"]["bucket_size"] > 0

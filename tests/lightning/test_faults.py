@@ -355,8 +355,12 @@ def test_a_hung_rank_fails_the_survivor_after_the_collective_timeout(tmp_path):
 # --- a checkpoint written before the death resumes to the uninterrupted result -----------
 
 
+# A death at step 2 in the forward, the backward, the step or an all-gather leaves the same step=2 checkpoint,
+# written by the same code before it (sharded; full for the all-gather's run, as the save_full run's step=2 is):
+# one of them resumes here. The deaths while saving leave their own: the previous checkpoint intact beside a
+# partial one.
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer_step", "all_gather", "save_sharded", "save_full"])
+@pytest.mark.parametrize("phase", ["backward", "save_sharded", "save_full"])
 def test_resuming_after_a_death_matches_the_uninterrupted_run(tmp_path, deaths, uninterrupted, phase):
     death = deaths(phase)
     assert death.died() is not None, f"rank 1 did not die in {phase}"
