@@ -15,7 +15,7 @@ For each model, the same 2-rank training loop (wrapper protocol: forward, backwa
 Configurations are interleaved, ``--repeats`` times each, and every number is a median
 over repeats of the per-run median step. Per configuration it reports the step time,
 its ratio to ``off``, the all-gather time the forward was blocked on (the wrapper's
-``comm_wait_seconds["all_gather"]``, Note [timing communication waits]), how many
+``grad_sync.waiter.seconds["all_gather"]``, Note [timing communication waits]), how many
 reads waited through the guard per step, and whether the final parameters equal the
 ``no_overlap`` run (the reference: no overlap, nothing stale).
 

@@ -70,7 +70,7 @@ then the median over steps):
   input); "ring" bytes are what one rank sends in a ring algorithm (all-reduce
   ``2(n-1)/n`` of the bytes, the others ``(n-1)/n``);
 * exposed communication: wall time the training thread was blocked on communication.
-  ``layerwise``: the wrapper's own ``comm_wait_seconds`` (Note [timing communication
+  ``layerwise``: the wrapper's own ``grad_sync.waiter.seconds`` (Note [timing communication
   waits] in ``lightning_layerwise/engine/waiter.py``: reduce-scatter and all-gather
   waits, the synchronous norm all-reduce). Others: time in ``Work.wait()`` and in
   synchronous collectives called from Python, plus for DDP the tail of backward after
