@@ -14,8 +14,9 @@ the run that does not depend on who calls it:
   :meth:`~LayerwiseSession.before_step`, :meth:`~LayerwiseSession.after_step`,
   :meth:`~LayerwiseSession.grads_finite` (and :meth:`~LayerwiseSession.backward` /
   :meth:`~LayerwiseSession.step`, which chain them for a plain loop);
-* checkpoints: what this rank writes and reads, names, optimizer state cut to this rank,
-  and :meth:`~LayerwiseSession.save` / :meth:`~LayerwiseSession.read` through one
+* checkpoints: :meth:`~LayerwiseSession.save_checkpoint` / :meth:`~LayerwiseSession.load_checkpoint`, and
+  ``session.checkpoints`` (:class:`~lightning_layerwise.session_checkpoints.SessionCheckpoints`: what this rank
+  writes and reads, names, optimizer state cut to this rank) through one
   :class:`~lightning_layerwise.checkpoint.formats.CheckpointFormat` per format;
 * :meth:`~LayerwiseSession.release`: waits for what is in flight, unwraps the module and
   destroys the run's groups.

@@ -28,12 +28,8 @@ Note [auto format]
     ``LightningModule.load_from_checkpoint``, resuming under ``ddp``, ``torch.load``. A full
     file serves all three; its costs grow with the model. Rank 0 holds the whole checkpoint
     in host memory while it writes (the model plus every rank's optimizer state, about 3x
-    the parameters under AdamW), and one process writes every byte. Measured here
-    (``benchmarks/bench_checkpoint.py``, docs/checkpointing.md): a 25M-parameter AdamW model
-    at 2 ranks saves in 1.2 s full against 0.5 s sharded, and rank 0's memory rises by
-    the whole 293 MiB checkpoint against 33 MiB; a 133M-parameter one (509 MiB, at the
-    limit) in 7.7 s against 2.6 s, rank 0 rising by 1.5 GiB against 0.2 GiB. So
-    ``"auto"`` writes one file while the model's parameters and buffers take at most
+    the parameters under AdamW), and one process writes every byte (the costs measured:
+    ``benchmarks/bench_checkpoint.py``, docs/checkpointing.md). So ``"auto"`` writes one file while the model's parameters and buffers take at most
     :data:`AUTO_FULL_LIMIT` (512 MiB: GPT-2 124M in float32, a full file of about 1.5 GiB
     under AdamW), and a sharded directory above it, where a rank-0 gather of several GiB
     per save would cost minutes and memory. The rule reads only the model, which every rank holds alike, so every rank

@@ -64,7 +64,7 @@ Note [gradient lifecycle]
     memory (``GradRecord.grad``), with a version counter of its own: autograd's
     in-place add bumps it. On one process, which reduces nothing, a parameter
     whose gradient is added in place therefore needs no hook at all (a Python
-    hook costs about 1.3 µs per parameter in the call from autograd alone): the
+    hook is a call from autograd per parameter and step): the
     sync (and ``grads_pending``) reads the counters to tell which parameters
     received a gradient, and takes a ``.grad`` that is another tensor as the
     copy path would. Hooks remain where they do work: on several processes

@@ -14,11 +14,10 @@ Note [fixed module]
     those of its modules' ``_parameters`` dicts, reached through their ``_modules``
     dicts, so the check compares the sizes of those dicts and the identities of their
     values, recorded at wrapping, instead of walking ``module.parameters()`` (a
-    recursive generator: 0.7 ms per forward for 192 parameters in 145 modules, the
-    largest part of the wrapper's forward overhead in
+    recursive generator, the largest part of the wrapper's forward overhead in
     ``benchmarks/bench_host_overhead.py``); both comparisons, and the storage pointers,
-    are lists built by ``map`` in C (60 µs there, from 105 µs for a Python loop over
-    the modules). :class:`FixedModule` holds every recorded object (``all_params``,
+    are lists built by ``map`` in C rather than Python loops over the modules.
+    :class:`FixedModule` holds every recorded object (``all_params``,
     ``modules``), so no identity is reused while it compares them. Still
     O(parameters): an assignment to ``.data`` runs no hook, so only reading every
     pointer sees it.

@@ -29,10 +29,10 @@ Note [compiled pre-hooks]
     the hook reads: ``_next`` (an integer attribute, so specialized to its value), the
     lengths of ``_queue`` and ``_in_flight``. Compiled models
     run with every bucket synced (the strategies complete the all-gather inside the step
-    under ``overlap_param_gather="auto"``), but a finished sync used to leave
-    ``_next == len(_queue)`` at the number of buckets the step gathered,
-    not the 0 of the first forward, so every compiled model compiled twice (and again
-    whenever a step gathered another number of buckets). The last bucket to land now
+    under ``overlap_param_gather="auto"``). A finished sync that left
+    ``_next == len(_queue)`` at the number of buckets the step gathered, not the 0 of
+    the first forward, would compile every model twice (and again whenever a step
+    gathered another number of buckets), so the last bucket to land
     empties the queue (:meth:`ParameterSync._wait_oldest`): "synced" is one
     state, ``([], 0, [])``, and the graph compiles once. The hook stays traceable rather
     than ``torch.compiler.disable``d: a disabled hook would break the graph at every

@@ -13,8 +13,7 @@ Note [when a bucket is full]
     its last, and those a module registered after it also holds. A bucket can hold
     parameters of distant modules (Muon's layout puts equal-shape matrices of different
     layers together for batched Newton-Schulz; an embedding tied to the output layer),
-    and freeing it between them would gather it twice in one forward (measured: 2.5
-    model-sizes of all-gather per step with Muon instead of 2). Registration order stands
+    and freeing it between them would gather it twice in one forward. Registration order stands
     in for call order; where they differ a bucket is only freed earlier or later than
     needed, and a read of a freed one gathers it again. Without it, buckets stay full
     from their forward to their backward. A forward without autograd (validation) frees

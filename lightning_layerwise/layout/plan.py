@@ -8,8 +8,10 @@ Note [shard alignment]
     A bucket of length ``L`` is split into ``n`` shards of ``L / n`` elements, ``n`` the
     ranks it is planned for (:attr:`BucketPlan.shards`); rank ``r`` reduces into and
     gathers from shard ``r``. Layer-wise optimizers such as Muon need a *whole* matrix
-    on one rank, so no parameter may cross a shard boundary: each parameter lies inside
-    exactly one shard, and that shard's rank is its *owner*. Every parameter starts on a 64-element boundary
+    on one rank, so a parameter that is not element-wise never crosses a shard boundary:
+    it lies inside exactly one shard, and that shard's rank is its *owner*. An element-wise
+    one may be split across shards into pieces, each stepped by its shard's rank (Note
+    [element-wise fill] in ``layout/packing.py``). Every parameter starts on a 64-element boundary
     (:data:`ALIGNMENT`) so views into the buffer stay aligned for vectorized
     kernels and NCCL.
 """
