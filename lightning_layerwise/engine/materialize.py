@@ -1,39 +1,26 @@
 """Models built on the meta device, materialized by the wrapper.
 
 Note [meta-device models]
-    ``trainer.init_module(empty_init=True)`` or ``fabric.init_module(empty_init=True)`` with
-    ``shard_parameters=True`` builds the model on the meta device (shapes, no memory) under ``record_init``
-    (``init_record.py``): every op that creates or writes a meta tensor is kept in order, and each random op
-    draws at once, on scratch memory, what an eager build on the device draws, so the generators stand after
-    the build where an eager build leaves them. The wrapper plans the layout from the meta parameters, then
-    replays the ops on real memory (``init_replay.py``) from the generator states they started from, and gives
-    the generators back as it found them. Each meta storage gets memory when an op first needs it. What is
-    reproduced, bitwise, is the eager build on the device with the same seed: each module's ``reset_parameters``
-    in its constructor, ``self.apply(self._init_weights)``, re-inits by parameter name, Hugging Face's
-    ``post_init``, every ``torch.nn.init`` function (those that skip meta tensors are kept as one op and run
-    whole), buffers computed in ``__init__`` (rotary frequencies, ``torch.tensor`` data), re-seeding, tensor
-    attributes of modules and torchmetrics' states.
+    With ``shard_parameters=True``, ``init_module(empty_init=True)`` builds the model on the meta device under
+    ``record_init`` (``init_record.py``): each op that creates or writes a meta tensor is kept in order, and each
+    random op draws at once, on scratch memory, what an eager build on the device draws. The wrapper plans the
+    layout from the meta parameters, replays the ops on real memory (``init_replay.py``) from the generator
+    states they started from, and leaves the generators as it found them. The eager build with the same seed is
+    reproduced bitwise: constructors' ``reset_parameters``, ``apply(_init_weights)``, re-inits by name, Hugging
+    Face's ``post_init``, every ``torch.nn.init`` function, buffers computed in ``__init__``, re-seeding,
+    torchmetrics' states.
 
-    Memory: an op whose result is overwritten unread (a constructor's init under ``apply(_init_weights)``)
-    only draws its random numbers, on scratch memory of its geometry. A parameter holds memory of its own from
-    the first op that writes a lasting value of it to the last op that touches it, then is published into the
-    shards (Note [publishing parameters one by one] in ``sharded_init.py``). A rank so holds its shards, the
-    larger of the parameters in flight and one bucket (made for a moment when it completes), one scratch tensor
-    and the generator's saved state (5 KiB on the CPU): at 4 ranks, its shards and one bucket both for modules
-    initialized in their constructors and for nanoGPT's ``apply(_init_weights)`` followed by a re-init by name
-    (``tests/engine/test_sharded_memory.py``). An init that writes every parameter and reads them all again at
-    the end (a last pass scaling each weight by a global statistic) holds them all until then.
+    Memory: an op whose result is overwritten unread only draws its numbers. A parameter holds memory from the
+    first op that writes a lasting value of it to the last op that touches it, then is published into the shards
+    (Note [publishing parameters one by one] in ``sharded_init.py``): a rank holds its shards, the parameters in
+    flight, one bucket and one scratch tensor (``tests/engine/test_sharded_memory.py``).
 
-    Modules that hold meta tensors no recorded op wrote (built under a plain ``torch.device("meta")``, or
-    before the recording) get memory module by module and their own ``reset_parameters()``
-    (``nn.MultiheadAttention``: ``_reset_parameters()``), in ``modules()`` order; they equal an eager build when
-    each module's initializer fills exactly its own parameters. Refused before any collective, naming the
-    tensors and the supported ways: such a module without an initializer; a parameter the build left as
-    ``torch.empty`` made it, beside recorded ones; a value computed from a tensor with no recorded value (made
-    before the recording, ``torch.empty`` read before written, written in parts); a random op whose number of
-    draws depends on values (``torch.poisson``); a Hugging Face model whose ``init_weights`` was skipped; a
-    recording made on another device than the one materialized on. Every rank decides alike from its own
-    recording, and values are rank 0's: each parameter is broadcast from the first rank of its bucket's group.
+    Meta tensors no recorded op wrote (a plain ``torch.device("meta")`` build) get memory module by module and
+    their module's ``reset_parameters()`` in ``modules()`` order. Refused before any collective, by name: such a
+    module without an initializer; a ``torch.empty`` parameter beside recorded ones; a value computed from a
+    tensor with no recorded value; a random op whose number of draws depends on values (``torch.poisson``); a
+    Hugging Face model whose ``init_weights`` was skipped; a recording made on another device. Every rank decides
+    alike from its own recording; each parameter is broadcast from the first rank of its bucket's group.
 """
 
 from __future__ import annotations

@@ -5,34 +5,23 @@ Pure shape logic over tensors and modules: no optimizer state, no ``torch.distri
 Note [matrix views]
     Muon orthogonalizes matrices, and a parameter is not always one matrix.
 
-    * **A stack.** Grouped experts keep one ``[E, d_out, d_in]`` parameter, a batch
-      of E matrices; so does any parameter with more than two dimensions whose
-      leading ones index copies of a matrix. Each of the E is its own matrix:
-      orthogonalizing the ``(E, d_out * d_in)`` flattening instead mixes the
-      experts' singular directions into one update that no expert's gradient asked for.
-    * **A convolution kernel** ``(out, in, k...)`` is one ``(out, in * k...)`` matrix
-      (Keller Jordan's and torch's rule): its leading dimension is the output
-      channel, not a stack.
-    * **Blocks.** A fused QKV projection ``[3d, d]`` is three matrices; a projection
-      of ``h`` heads is ``h`` row blocks (per-head orthogonalization). ``split``
-      cuts each matrix (of a stack too) into blocks along ``split_dim`` (0: rows,
-      the output features of an ``nn.Linear`` weight; 1: columns), equal blocks for
-      a count or blocks of the given sizes.
+    * **A stack.** Grouped experts keep one ``[E, d_out, d_in]`` parameter: E matrices, each orthogonalized on
+      its own (the ``(E, d_out * d_in)`` flattening would mix the experts' singular directions).
+    * **A convolution kernel** ``(out, in, k...)`` is one ``(out, in * k...)`` matrix (Keller Jordan's and
+      torch's rule).
+    * **Blocks.** A fused QKV ``[3d, d]`` is three matrices, a projection of ``h`` heads ``h`` row blocks:
+      ``split`` cuts each matrix into blocks along ``split_dim`` (0: rows, 1: columns), equal or sized.
 
     The rule, per parameter with ``ndim >= 2`` (:func:`matrix_views`), first match wins:
 
-    1. a mark set by :func:`mark_matrices` (the model says what it means), on the
-       parameter's module or on the parameter;
+    1. a mark set by :func:`mark_matrices`, on the parameter's module or on the parameter;
     2. the weight of an ``nn.Conv1d/2d/3d`` (or a transposed one): one flattened matrix;
     3. ``ndim >= 3``: a stack over the leading ``ndim - 2`` dimensions;
     4. ``ndim == 2``: one matrix.
 
-    A ``>= 3``-D parameter that holds a convolution kernel but is not a ``_ConvNd``
-    module's weight (a raw ``F.conv2d``) is a stack under rule 3; mark it
-    ``mark_matrices(w, stack=False)``. Every matrix of a view is orthogonalized,
-    scaled (``adjust_lr`` by its own shape) and normalized (NorMuon, per row) as a
-    matrix of its own; matrices of one shape batch together across parameters
-    (Note [batched Newton-Schulz] in ``optim/orthogonalization.py``).
+    A raw ``F.conv2d`` kernel is a stack under rule 3; mark it ``mark_matrices(w, stack=False)``. Every matrix of
+    a view is orthogonalized, scaled (``adjust_lr`` by its own shape) and normalized (NorMuon, per row) on its
+    own; matrices of one shape batch together (Note [batched Newton-Schulz] in ``optim/orthogonalization.py``).
 """
 
 from __future__ import annotations

@@ -24,31 +24,23 @@ Note [batched Newton-Schulz]
     the per-matrix path up to the rounding of the batched kernels.
 
 Note [chunked Newton-Schulz]
-    Stacking every owned matrix of one shape at once makes the temporaries of
-    a step grow with the number of matrices. ``ns_batch_bytes`` caps one
-    stack: a same-shape batch of n matrices is cut into ceil(n / k)
+    Stacking every owned matrix of one shape at once makes a step's temporaries grow with the number of
+    matrices. ``ns_batch_bytes`` caps one stack: a same-shape batch of n matrices is cut into ceil(n / k)
     consecutive chunks of nearly equal length (they differ by at most one),
-    ``k = ns_batch_bytes // (rows * cols * itemsize(ns_dtype))``, and
-    ``muon_step`` (``optim/muon.py``) runs momentum, Newton-Schulz and the parameter update
-    chunk by chunk, dropping each chunk's temporaries before the next, so the
-    step's peak is a fixed multiple of the budget (docs/muon.md), whatever the
-    number of matrices. ``None`` stacks the whole batch.
+    ``k = ns_batch_bytes // (rows * cols * itemsize(ns_dtype))``, and ``muon_step`` (``optim/muon.py``) runs
+    momentum, Newton-Schulz and the update chunk by chunk, dropping each chunk's temporaries before the next:
+    the step's peak is a fixed multiple of the budget (docs/muon.md). ``None`` stacks the whole batch.
 
-    No operation mixes the matrices of a stack (the norm is per matrix, each
-    matmul of a ``baddbmm`` is one matrix's), so chunking should change no
-    value, and on CPU it changes none (tested, bf16 and float32, 1 and 2
-    threads) with one exception that the chunking avoids: oneDNN multiplies
-    a bf16 *batch of one* differently from a batch of several (measured: a
-    16x16 or a tall 2048x512 matrix differs in the last bits). A chunk
-    therefore holds at least two matrices, so a budget below two matrices'
-    bytes is exceeded (stacks of two, or three for an odd count), as a budget
-    below one matrix's is by a shape that occurs once. On CUDA, cuBLAS picks
-    its kernels by problem size, batch count included, so chunked and
-    unchunked results may differ in rounding there (not measured).
+    No operation mixes the matrices of a stack (the norm is per matrix, each matmul of a ``baddbmm`` one
+    matrix's), so chunking changes no value on CPU (tested, bf16 and float32, 1 and 2 threads), with one
+    exception the chunking avoids: oneDNN multiplies a bf16 *batch of one* differently from a batch of several.
+    A chunk therefore holds at least two matrices, so a budget below two matrices' bytes is exceeded, as a
+    budget below one matrix's is by a shape that occurs once. On CUDA, cuBLAS picks kernels by problem size,
+    batch count included, so chunked and unchunked results may differ in rounding there.
 
-    A parameter of several matrices (a stack, blocks: Note [matrix views] in
-    ``optim/matrices.py``) may have them in several chunks: its momentum direction is
-    kept from its first chunk to its last, one parameter's worth beyond the budget.
+    A parameter of several matrices (a stack, blocks: Note [matrix views] in ``optim/matrices.py``) may have
+    them in several chunks: its momentum direction is kept from its first chunk to its last, one parameter's
+    worth beyond the budget.
 """
 
 from __future__ import annotations

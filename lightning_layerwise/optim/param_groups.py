@@ -22,12 +22,9 @@ Note [routing rules]
     7. everything else with ``ndim >= 2`` (Linear and conv weights): Muon.
 
     A head under another name is routed with ``exclude=("my_head.*",)`` or
-    ``param.use_muon = False``.
-
-    Each Muon parameter then gets its matrix view (Note [matrix views] in
-    ``optim/matrices.py``): a stack for a ``>= 3``-D parameter outside a
-    convolution, blocks where ``split`` names it or :func:`mark_matrices` marked
-    it. Muon parameters of one view share a group carrying the view's keys.
+    ``param.use_muon = False``. Each Muon parameter then gets its matrix view
+    (Note [matrix views] in ``optim/matrices.py``); Muon parameters of one view
+    share a group carrying the view's keys.
 """
 
 from __future__ import annotations

@@ -10,13 +10,10 @@ Note [QK-clip]
 
     so head h's logits shrink by ``gamma_h`` and no other head changes. Here:
 
-    * An attention module declares its heads once (:func:`mark_attention`: where its
-      query and key rows are, in which parameters) and reports each forward's
-      per-head maximum with :func:`record_attention_logits` (for
-      ``F.scaled_dot_product_attention``-style code: same ``q``, ``k``, mask and scale
-      arguments). The maximum is over the logits the softmax sees: masked positions
-      are left out. It is kept on the module, on the device, as a running maximum over
-      the step's micro-batches (no host synchronization).
+    * An attention module declares its heads once (:func:`mark_attention`) and reports each
+      forward's per-head maximum with :func:`record_attention_logits` (``q``, ``k``, mask and
+      scale as ``F.scaled_dot_product_attention`` takes them): a running maximum over the
+      step's micro-batches of the logits the softmax sees, kept on the device.
     * With grouped-query attention a key head serves ``n_heads / n_kv_heads`` query
       heads. The key rows of group g are scaled by ``sqrt(min_h gamma_h)`` over its
       heads and each query head by ``gamma_h / sqrt(min_h gamma_h)``, so every head's

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_layerwise"
 
 MAX_MODULE_LINES = 800
 MAX_FUNCTION_LINES = 80
+MAX_NOTE_LINES = 25
 MAX_DELEGATIONS = 5
 MAX_CLASS_NAMES = 25
 
@@ -139,6 +141,48 @@ def test_an_inherited_hook_is_not_counted():
     (where, cls, inherited), = [c for c in package_classes() if c[0] == "lightning/trainer.py:LayerwiseStrategy"]
     assert {"setup", "teardown", "optimizer_step"} <= inherited
     assert "setup" in public_names(cls) and "setup" in vars(LayerwiseStrategy)
+
+
+def notes(source: str) -> list[tuple[str, int, int]]:
+    """Every Note of a module: its name, the line it starts on and its length in lines (the heading, the
+    indented text under it and the blank lines inside it)."""
+    lines, found, i = source.splitlines(), [], 0
+    while i < len(lines):
+        heading = re.fullmatch(r"( *)Note \[(.+)\]\s*", lines[i])
+        if not heading:
+            i += 1
+            continue
+        indent, last, j = len(heading.group(1)), i, i + 1
+        while j < len(lines):
+            line = lines[j]
+            if line.strip():
+                if len(line) - len(line.lstrip()) <= indent:
+                    break
+                last = j
+            j += 1
+        found.append((heading.group(2), i + 1, last - i + 1))
+        i = last + 1
+    return found
+
+
+def test_every_note_is_at_most_25_lines():
+    long = {f"{path.relative_to(PACKAGE)}:{line} [{name}]": n for path, source in modules()
+            for name, line, n in notes(source) if n > MAX_NOTE_LINES}
+    assert not long, f"Notes over {MAX_NOTE_LINES} lines: {long}"
+
+
+def test_the_measure_reads_a_note():
+    source = '''"""Doc.
+
+Note [one]
+    First line.
+
+    Second paragraph,
+      indented.
+"""
+x = 1
+'''
+    assert notes(source) == [("one", 3, 5)]
 
 
 def test_the_measure_finds_a_delegation():
