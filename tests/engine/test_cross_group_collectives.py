@@ -222,8 +222,9 @@ def _gather_worker(rank, world, mutation):
     events: list[tuple[str, int]] = []
     across, in_group = buffers.BucketParameters.start_replica_gather, buffers.BucketParameters.start_gather
     buffers.BucketParameters.start_replica_gather = lambda self: (events.append(("across", position[id(self)])),
-                                                        across(self))[1]
-    buffers.BucketParameters.start_gather = lambda self: (events.append(("in-group", position[id(self)])), in_group(self))[1]
+                                                                  across(self))[1]
+    buffers.BucketParameters.start_gather = lambda self: (events.append(("in-group", position[id(self)])),
+                                                          in_group(self))[1]
     g = torch.Generator().manual_seed(rank)
     steps = []
     for _ in range(STEPS):
@@ -234,7 +235,7 @@ def _gather_worker(rank, world, mutation):
         wrapped(idx)  # the next forward, whose pre-hooks wait for the gathers
         session.sync_parameters()
         steps.append(list(events))
-    chunked = [position[id(b)] for b in order if b.chunks is not None]
+    chunked = [position[id(b.param)] for b in order if b.chunks is not None]
     session.release()
     return steps, chunked, len(order)
 
