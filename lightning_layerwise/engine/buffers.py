@@ -166,8 +166,8 @@ def _check_move(bucket: str, what: str, now: enum.Enum, allowed: tuple, to: enum
 
 class BucketGradient:
     """A bucket's gradients (:attr:`Bucket.grad`): the full gradient buffer a backward fills, this rank's shard of
-    the reduced gradient with sharded parameters, their state and the reduce-scatters that move it (Note [bucket
-    states]).
+    the reduced gradient with sharded parameters, the state they are in and the reduce-scatters that move them
+    (Note [bucket states]).
 
     Args:
         bucket: the bucket's name, for errors.
@@ -211,6 +211,7 @@ class BucketGradient:
 
     @property
     def full_held(self) -> bool:
+        """Whether the full gradient buffer is held: allocated, or a gradient taken in its place."""
         return self.taken is not None or is_allocated(self.data)
 
     def stepped(self) -> torch.Tensor:
@@ -312,7 +313,7 @@ class BucketGradient:
 
 class BucketParameters:
     """A bucket's parameters (:attr:`Bucket.param`): the full parameters, this rank's shard of them with sharded
-    parameters, their state and the all-gathers that move it (Note [bucket states]).
+    parameters, the state they are in and the all-gathers that move them (Note [bucket states]).
 
     Args:
         bucket: the bucket's name, for errors.
@@ -427,7 +428,9 @@ class Bucket:
         """What this rank steps of the bucket (its shard, or its chunk of it), as a range of the bucket."""
         self.grad = BucketGradient(self.name, grad_data, len(params), group, chunks, replica_group, self.shard,
                                    self.stepped_range)
+        """Its gradients: buffers, :class:`GradState` and reduce-scatters."""
         self.param = BucketParameters(self.name, param_data, gather_group, chunks, replica_group, self.shard)
+        """Its parameters: buffers, :class:`ParamState` and all-gathers."""
 
     @property
     def name(self) -> str:

@@ -219,8 +219,9 @@ class ShardedReads:
         # each rank reads what it owns, so nothing is gathered on demand there; in a hook, after an agreement.
         scope = self._scopes[-1] if self._scopes else None
         if held or not (scope is _STEP or isinstance(scope, _HookScope) or in_backward()):
-            if id(param) in self._stepped_whole:  # its values are here (the optimizer's step); it stays marked for
-                return False  # the next forward's reads
+            if id(param) in self._stepped_whole:
+                # its values are here (the optimizer's step); it stays marked for the next forward's reads
+                return False
             rules = self.rules
             self._fail(ShardedParameterReadError(
                 f"{self._names[param]!r} was read by {read_guard.describe(func)} on rank {self._waiter.rank} while "
@@ -236,8 +237,8 @@ class ShardedReads:
         return True
 
     def hook_scope(self) -> _HookScope | None:
-        """The innermost scope where it is a hook's and no backward runs: a read there is a collective the ranks
-        agree on."""
+        """The innermost scope if it is a hook's and no backward runs (a read there is a collective the ranks agree
+        on), else ``None``."""
         scope = self._scopes[-1] if self._scopes else None
         return scope if isinstance(scope, _HookScope) and not in_backward() else None
 
