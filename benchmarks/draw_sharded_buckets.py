@@ -41,8 +41,8 @@ def record(rank: int, world: int) -> dict:
 
     def snapshot(event: str, bucket_name: str) -> None:
         frames.append({"event": event, "bucket": bucket_name, "phase": phase[0],
-                       "params": [b.param_state.value for b in order],
-                       "grads": [is_allocated(b.grad_data) for b in order]})
+                       "params": [b.param.state.value for b in order],
+                       "grads": [is_allocated(b.grad.data) for b in order]})
 
     trace = waiter_module.Waiter.trace
 
@@ -66,7 +66,7 @@ def record(rank: int, world: int) -> dict:
         session.step(optimizer)
         snapshot("step returns", "")
     return {"frames": frames, "buckets": [b.name for b in order],
-            "sizes": [b.param_data.numel() for b in order]}
+            "sizes": [b.param.data.numel() for b in order]}
 
 
 def draw(result: dict, path: Path) -> None:

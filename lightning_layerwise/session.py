@@ -577,7 +577,7 @@ class LayerwiseSession:
         """The wrapper's parameter side learns this front end's words, the agreement and the board."""
         param_sync = self.wrapper.param_sync
         if isinstance(param_sync, ShardedParameterSync):
-            param_sync.read_rules, param_sync.agreement = self.read_rules, self._agreement
+            param_sync.reads.rules, param_sync.reads.agreement = self.read_rules, self._agreement
             param_sync.waiter.board = self._board
 
     def hook_reads(self, where: str):
@@ -593,7 +593,7 @@ class LayerwiseSession:
         """A context for this rank's own reads (the optimizer's step inside a hook): nothing gathers on demand."""
         param_sync = self.wrapper.param_sync if self.wrapper is not None else None
         if isinstance(param_sync, ShardedParameterSync):
-            return param_sync.local_reads()
+            return param_sync.reads.local()
         return contextlib.nullcontext()
 
     def module_state_dict(self, module: Optional[torch.nn.Module] = None) -> dict[str, Any]:

@@ -447,8 +447,8 @@ def sharded_optimizer(name: str, model: nn.Module):
 
 def nothing_full(wrapper) -> bool:
     """No bucket's full parameters or full gradient buffer (its own, or autograd's gradient taken as it) is held."""
-    return not any(b.param_state is not ParamState.FREED or is_allocated(b.param_data) or is_allocated(b.grad_data)
-                   or b.taken_grad is not None for b in wrapper.buckets)
+    return not any(b.param.state is not ParamState.FREED or is_allocated(b.param.data) or is_allocated(b.grad.data)
+                   or b.grad.taken is not None for b in wrapper.buckets)
 
 
 # --- models that read parameters outside their modules' forward (engine/test_stale_reads.py) -------------------------

@@ -21,39 +21,41 @@ Note [bucket states]
     A bucket goes through two cycles per optimizer step, each owned by one side of
     the engine: its gradients (:class:`GradState`, the gradient side) accumulate,
     are reduce-scattered and are reduced; its parameters (:class:`ParamState`, the
-    parameter side) are stepped, all-gathered and ready. Every move is a method of
-    the bucket that checks the state it leaves (:meth:`start_reduce`,
-    :meth:`finish_reduce`, :meth:`restart`; :meth:`queue_gather`,
-    :meth:`start_gather`, :meth:`finish_gather`), so a collective dispatched twice
-    or a wait without a dispatch raises :class:`BucketStateError` instead of
-    corrupting a buffer. The two cycles are two fields, not one: they overlap in
-    time. A bucket's all-gather may still be in flight when the next backward starts
-    accumulating into its gradients (its module ran no forward this step), and the
-    gradients of the last step stay handed out (reduced) while the next forward
-    gathers its parameters.
+    parameter side) are stepped, all-gathered and ready. Each cycle is a part of the
+    bucket, ``bucket.grad`` (:class:`BucketGradient`) and ``bucket.param``
+    (:class:`BucketParameters`), and every move is a method of the part that checks
+    the state it leaves (``grad.start_reduce``, ``grad.finish_reduce``,
+    ``grad.restart``; ``param.queue_gather``, ``param.start_gather``,
+    ``param.finish_gather``), so a collective dispatched twice or a wait without a
+    dispatch raises :class:`BucketStateError` instead of corrupting a buffer. The
+    two cycles are two fields, not one: they overlap in time. A bucket's all-gather
+    may still be in flight when the next backward starts accumulating into its
+    gradients (its module ran no forward this step), and the gradients of the last
+    step stay handed out (reduced) while the next forward gathers its parameters.
 
 Note [sharded parameters]
     With ``shard_parameters=True`` a bucket keeps only this rank's shard of its
-    parameters (:attr:`Bucket.param_shard`) and of its reduced gradient
-    (:attr:`Bucket.grad_shard`); ``param_data`` and ``grad_data`` are then full-size
-    tensors of their own storage, allocated while in use and freed (the storage
+    parameters (``bucket.param.shard``) and of its reduced gradient
+    (``bucket.grad.shard``); the full buffers, ``param.data`` and ``grad.data``, are
+    then tensors of their own storage, allocated while in use and freed (the storage
     resized to zero bytes, so every view keeps its shape) otherwise. The parameter
     cycle gains one state, ``FREED``: freed -> gathering (all-gathered from the
     shards) -> ready -> freed. A parameter this rank steps whole lies inside its
-    shard, so it views ``param_shard`` and is always readable here; every other
-    parameter views ``param_data`` and is readable only while its bucket is ready
+    shard, so it views ``param.shard`` and is always readable here; every other
+    parameter views ``param.data`` and is readable only while its bucket is ready
     (the read guard makes a read wait for, or gather, it). Gradients go the other
-    way: a backward adds local gradients into ``grad_data`` (allocated when the first
-    one arrives), the reduce-scatter averages it in place, :meth:`Bucket.fold_reduce`
-    adds this rank's shard of it into ``grad_shard`` and frees the full buffer.
-    Nothing here knows when a bucket is needed: ``engine/sharded.py`` decides.
+    way: a backward adds local gradients into ``grad.data`` (allocated when the
+    first one arrives), the reduce-scatter averages it in place,
+    :meth:`BucketGradient.fold_reduce` adds this rank's shard of it into
+    ``grad.shard`` and frees the full buffer. Nothing here knows when a bucket is
+    needed: ``engine/sharded.py`` decides.
 """
 
 from __future__ import annotations
 
 import enum
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -155,234 +157,294 @@ class BucketStateError(RuntimeError):
     """A bucket was asked to move between states out of order: a bug in the engine, never a user error."""
 
 
-@dataclass(eq=False)
-class Bucket:
-    """One planned bucket at run time: its slices of the buffers, its groups, its collectives and its states
-    (Note [bucket states])."""
+def _check_move(bucket: str, what: str, now: enum.Enum, allowed: tuple, to: enum.Enum) -> None:
+    """Raises :class:`BucketStateError` unless ``now`` may become ``to``: it is one of ``allowed``."""
+    if now not in allowed:
+        raise BucketStateError(f"bucket {bucket}: {what} {now.value} cannot become {to.value} "
+                               f"(only from {', '.join(s.value for s in allowed)})")
 
-    buffer: int
-    index: int
-    params: list[nn.Parameter]
-    param_data: torch.Tensor
-    grad_data: torch.Tensor
-    first_param: int
-    """Registration index of the earliest parameter in the bucket (forward order key)."""
-    start: int = 0
-    """Its first element in its buffer."""
-    group: dist.ProcessGroup | None = None
-    """Group its shards are spread over (reduce-scatter); ``gather_group``: its all-gather communicator."""
-    gather_group: dist.ProcessGroup | None = None
-    shards: int = 1
-    """Ranks in ``group``; ``rank``: this rank's shard."""
-    rank: int = 0
-    expert: bool = False
-    """Expert parameters (Note [expert parallelism] in ``engine/process_groups.py``)."""
-    chunks: list[tuple[int, int]] | None = None
-    """Replica sharing (Note [replica sharing] in ``layout/sharing.py``): this rank's shard cut into one range per
-    replica (from the shard's start), exchanged over ``replica_group``; ``None``: the rank steps its whole shard."""
-    replica_group: dist.ProcessGroup | None = None
-    replica_rank: int = 0
-    param_state: ParamState = ParamState.READY
-    grad_state: GradState = GradState.ACCUMULATING
-    ready: set[int] = field(default_factory=set)
-    """``id`` of the parameters whose gradient is complete this backward."""
-    reduce: Collective | None = None
-    """The reduce-scatter in flight (inside the owner group, then across the replicas)."""
-    gather: Collective | None = None
-    replica_gather: Collective | None = None
-    """The all-gather of the shard's chunks across the replicas, which the owner group's all-gather follows."""
-    param_shard: torch.Tensor | None = None
-    """Sharded parameters (Note [sharded parameters]): this rank's shard of the parameters, always held;
-    ``None``: every rank holds the whole bucket in ``param_data``."""
-    grad_shard: torch.Tensor | None = None
-    """Sharded parameters: this rank's shard of the reduced gradient, a tensor of its own storage: allocated
-    (zeroed) at the bucket's first reduction after the gradients were dropped, freed when they are dropped
-    (Note [sharded gradients] in ``engine/grad_sync.py``)."""
-    taken_grad: torch.Tensor | None = None
-    """Sharded parameters, a bucket that is one parameter: autograd's gradient of it, flat, taken as the full
-    gradient buffer in place of ``grad_data`` (:meth:`take_grad`) until its reduction is folded in."""
+
+class BucketGradient:
+    """A bucket's gradients (:attr:`Bucket.grad`): the full gradient buffer a backward fills, this rank's shard of
+    the reduced gradient with sharded parameters, the state they are in and the reduce-scatters that move them
+    (Note [bucket states]).
+
+    Args:
+        bucket: the bucket's name, for errors.
+        data: the full gradient buffer (the bucket's slice of its grad buffer).
+        param_count: how many parameters the bucket holds.
+        group, chunks, replica_group: as :class:`Bucket`'s.
+        shard, stepped: this rank's shard of the bucket and what it steps of it (:attr:`Bucket.stepped_range`).
+    """
+
+    def __init__(self, bucket: str, data: torch.Tensor, param_count: int, group: dist.ProcessGroup | None,
+                 chunks: list[tuple[int, int]] | None, replica_group: dist.ProcessGroup | None,
+                 shard: tuple[int, int], stepped: tuple[int, int]) -> None:
+        self.data = data
+        """The full gradient buffer; with sharded parameters a tensor of its own storage, allocated while a backward
+        fills it (Note [sharded parameters])."""
+        self.shard: torch.Tensor | None = None
+        """Sharded parameters: this rank's shard of the reduced gradient, a tensor of its own storage: allocated
+        (zeroed) at the bucket's first reduction after the gradients were dropped, freed when they are dropped
+        (Note [sharded gradients] in ``engine/grad_sync.py``); ``None``: the reduced shard stays in :attr:`data`."""
+        self.taken: torch.Tensor | None = None
+        """Sharded parameters, a bucket that is one parameter: autograd's gradient of it, flat, taken as the full
+        gradient buffer in place of :attr:`data` (:meth:`take`) until its reduction is folded in."""
+        self.state = GradState.ACCUMULATING
+        self.ready: set[int] = set()
+        """``id`` of the parameters whose gradient is complete this backward."""
+        self.reduce: Collective | None = None
+        """The reduce-scatter in flight (inside the owner group, then across the replicas)."""
+        self._bucket, self._param_count, self._group = bucket, param_count, group
+        self._chunks, self._replica_group = chunks, replica_group
+        self._shard, self._stepped = shard, stepped
 
     @property
-    def sharded(self) -> bool:
-        return self.param_shard is not None
+    def complete(self) -> bool:
+        """Every parameter's gradient arrived this backward."""
+        return len(self.ready) == self._param_count
+
+    @property
+    def full(self) -> torch.Tensor:
+        """The full gradient buffer a backward fills: :attr:`taken` where one was taken, else :attr:`data`."""
+        return self.taken if self.taken is not None else self.data
+
+    @property
+    def full_held(self) -> bool:
+        """Whether the full gradient buffer is held: allocated, or a gradient taken in its place."""
+        return self.taken is not None or is_allocated(self.data)
+
+    def stepped(self) -> torch.Tensor:
+        """The reduced gradient of what this rank steps (:attr:`Bucket.stepped_range`), where it is kept."""
+        begin, end = self._stepped
+        if self.shard is None:
+            return self.data[begin:end]
+        if not is_allocated(self.shard):  # dropped: zero until a reduction lands
+            allocate(self.shard)
+            self.shard.zero_()
+        first = self._shard[0]
+        return self.shard[begin - first:end - first]
+
+    def _move(self, allowed: tuple, to: GradState) -> None:
+        _check_move(self._bucket, "grad_state", self.state, allowed, to)
+        self.state = to
+
+    def start_reduce(self) -> None:
+        """Dispatches the reduce-scatter of the gradients into this rank's shard, averaged (Note [averaging] in
+        ``engine/collectives.py``)."""
+        self._move((GradState.ACCUMULATING,), GradState.REDUCING)
+        self.reduce = collectives.reduce_scatter_bucket(self.full, self._group, async_op=True, average=True)
+
+    def start_replica_reduce(self) -> None:
+        """With replica sharing, after the owner group's reduce-scatter landed: its mean averaged over the owner
+        groups into the chunk this rank steps (Note [replica sharing] in ``layout/sharing.py``)."""
+        begin, end = self._shard
+        self.reduce = collectives.reduce_scatter_chunks(self.full[begin:end], self._chunks, self._replica_group,
+                                                        async_op=True, average=True)
+
+    def finish_reduce(self) -> None:
+        """Every reduction of this step landed (the caller waited for :attr:`reduce`)."""
+        self._move((GradState.REDUCING,), GradState.REDUCED)
+        self.reduce = None
+
+    def fold_reduce(self) -> None:
+        """Sharded parameters: the reduce-scatter landed (the caller waited for :attr:`reduce`, and with replica
+        sharing for the chunks' too): the mean of what this rank steps is added into :attr:`shard` and the full
+        buffer is freed."""
+        self._move((GradState.REDUCING,), GradState.REDUCED)
+        self.reduce = None
+        begin, end = self._stepped
+        self.stepped().add_(self.full[begin:end])
+        self.drop_full()
+
+    def accumulate_again(self) -> None:
+        """The backward that reduced this bucket ended; the next one accumulates into a fresh buffer."""
+        self._move((GradState.REDUCED, GradState.ACCUMULATING), GradState.ACCUMULATING)
+        self.ready.clear()
+
+    def mark_reduced(self) -> None:
+        """Every reduction of this accumulation was folded into the shard (the sync hands it out)."""
+        self._move((GradState.ACCUMULATING, GradState.REDUCED), GradState.REDUCED)
+
+    def restart(self) -> None:
+        """A new accumulation: no gradient arrived yet (the caller zeroed the buffer)."""
+        if self.reduce is not None:
+            raise BucketStateError(f"bucket {self._bucket}: restarted with its reduce-scatter in flight")
+        self.ready.clear()
+        self.state = GradState.ACCUMULATING
+
+    # --- sharded parameters (Note [sharded parameters]) ---------------------------------------------------------
+    def ensure_full(self) -> None:
+        """Allocates the full gradient buffer, zeroed, unless it is held."""
+        if not self.full_held:
+            allocate(self.data)
+            self.data.zero_()
+
+    def take(self, grad: torch.Tensor) -> bool:
+        """Where this bucket is exactly one parameter and its full buffer is not held, autograd's gradient ``grad``
+        becomes that buffer, reduced in place, so a backward neither allocates the buffer nor copies into it (Note
+        [sharded gradients] in ``engine/grad_sync.py``); a later gradient of this backward is added into it. False
+        where the gradient must be added into :attr:`data`: it holds local sums (``no_sync``), the bucket holds more
+        (other parameters, padding), or ``grad`` differs in dtype or layout."""
+        if self.taken is not None:
+            self.taken.add_(grad.detach().reshape(-1))
+            return True
+        if (self._param_count != 1 or is_allocated(self.data) or grad.numel() != self.data.numel()
+                or grad.dtype != self.data.dtype or grad.device != self.data.device
+                or grad.requires_grad or grad._is_view() or not grad.is_contiguous()):
+            return False
+        self.taken = grad.view(-1)
+        return True
+
+    def drop_full(self) -> None:
+        """Frees the full gradient buffer, or lets go of the gradient taken in its place."""
+        self.taken = None
+        free(self.data)
+
+    def drop_shard(self) -> None:
+        """The gradients were dropped: the shard's storage is freed until the next reduction lands in it."""
+        free(self.shard)
+
+    def abandon(self) -> None:
+        """Forgets the reduce-scatter in flight and the gradient taken (after a failed collective)."""
+        self.reduce = self.taken = None
+        self.state = GradState.ACCUMULATING
+
+
+class BucketParameters:
+    """A bucket's parameters (:attr:`Bucket.param`): the full parameters, this rank's shard of them with sharded
+    parameters, the state they are in and the all-gathers that move them (Note [bucket states]).
+
+    Args:
+        bucket: the bucket's name, for errors.
+        data: the full parameters (the bucket's slice of its param buffer).
+        gather_group, chunks, replica_group: as :class:`Bucket`'s.
+        shard: this rank's shard, as a range of the bucket.
+    """
+
+    def __init__(self, bucket: str, data: torch.Tensor, gather_group: dist.ProcessGroup | None,
+                 chunks: list[tuple[int, int]] | None, replica_group: dist.ProcessGroup | None,
+                 shard: tuple[int, int]) -> None:
+        self.data = data
+        """The full parameters; with sharded parameters a tensor of its own storage, allocated while the bucket is
+        gathered (Note [sharded parameters])."""
+        self.shard: torch.Tensor | None = None
+        """Sharded parameters: this rank's shard of the parameters, always held; ``None``: every rank holds the
+        whole bucket in :attr:`data`."""
+        self.state = ParamState.READY
+        self.gather: Collective | None = None
+        """The owner group's all-gather in flight."""
+        self.replica_gather: Collective | None = None
+        """The all-gather of the shard's chunks across the replicas, which the owner group's all-gather follows."""
+        self._bucket, self._gather_group = bucket, gather_group
+        self._chunks, self._replica_group, self._shard = chunks, replica_group, shard
+
+    def _move(self, allowed: tuple, to: ParamState) -> None:
+        _check_move(self._bucket, "param_state", self.state, allowed, to)
+        self.state = to
+
+    def queue_gather(self) -> None:
+        """This rank's shard was stepped: its all-gathers are queued (with replica sharing, the chunks' across
+        the replicas first, :meth:`start_replica_gather`; then the owner group's, :meth:`start_gather`)."""
+        self._move((ParamState.READY,), ParamState.STEPPED)
+        self.gather = None
+
+    def start_replica_gather(self) -> None:
+        """With replica sharing: dispatches the all-gather of the shard's chunks across the replicas, which the
+        owner group's all-gather follows (Note [replica sharing] in ``layout/sharing.py``)."""
+        begin, end = self._shard
+        self.replica_gather = collectives.all_gather_chunks(self.data[begin:end], self._chunks,
+                                                            self._replica_group, async_op=True)
+
+    def start_gather(self) -> None:
+        """Dispatches the owner group's all-gather (the caller waited for :attr:`replica_gather`)."""
+        self._move((ParamState.STEPPED,), ParamState.GATHERING)
+        self.replica_gather = None
+        self.gather = collectives.all_gather_bucket(self.data, self._gather_group, async_op=True)
+
+    def finish_gather(self) -> None:
+        """The all-gather landed (the caller waited for :attr:`gather`): every rank holds the new parameters."""
+        self._move((ParamState.GATHERING,), ParamState.READY)
+        self.gather = None
+
+    # --- sharded parameters (Note [sharded parameters]) ---------------------------------------------------------
+    def share_chunks(self) -> None:
+        """With replica sharing, after the step: every rank's shard gets the chunks its replicas stepped (Note
+        [replica sharing] in ``layout/sharing.py``), so that any rank's shard is current for the next gather."""
+        collectives.all_gather_chunks(self.shard, self._chunks, self._replica_group, async_op=False)
+
+    def start_unshard(self) -> None:
+        """Allocates the full parameters and dispatches their all-gather from every rank's shard."""
+        self._move((ParamState.FREED,), ParamState.GATHERING)
+        allocate(self.data)
+        self.gather = collectives.all_gather_into(self.data, self.shard, self._gather_group, async_op=True)
+
+    def reshard(self) -> None:
+        """Frees the full parameters (the all-gather landed, or this rank's shard changed since)."""
+        self._move((ParamState.READY, ParamState.STEPPED, ParamState.FREED), ParamState.FREED)
+        free(self.data)
+
+    def abandon(self) -> None:
+        """Forgets the all-gathers in flight (after a failed collective). Sharded parameters whose all-gather did
+        not land are left freed: nothing of them is held here."""
+        lost = self.shard is not None and (self.state is ParamState.GATHERING or not is_allocated(self.data))
+        self.gather = self.replica_gather = None
+        self.state = ParamState.FREED if lost else ParamState.READY
+
+
+class Bucket:
+    """One planned bucket at run time: what it is (its parameters, its groups, this rank's shard of it) and its two
+    parts, :attr:`grad` and :attr:`param`, each with its buffers, its state and its collectives (Note [bucket
+    states])."""
+
+    def __init__(self, buffer: int, index: int, params: list[nn.Parameter], param_data: torch.Tensor,
+                 grad_data: torch.Tensor, first_param: int, start: int = 0, group: dist.ProcessGroup | None = None,
+                 gather_group: dist.ProcessGroup | None = None, shards: int = 1, rank: int = 0, expert: bool = False,
+                 chunks: list[tuple[int, int]] | None = None, replica_group: dist.ProcessGroup | None = None,
+                 replica_rank: int = 0) -> None:
+        self.buffer, self.index = buffer, index
+        self.params = params
+        self.first_param = first_param
+        """Registration index of the earliest parameter in the bucket (forward order key)."""
+        self.start = start
+        """Its first element in its buffer."""
+        self.group, self.gather_group = group, gather_group
+        """Group its shards are spread over (reduce-scatter); ``gather_group``: its all-gather communicator."""
+        self.shards, self.rank = shards, rank
+        """Ranks in ``group``; ``rank``: this rank's shard."""
+        self.expert = expert
+        """Expert parameters (Note [expert parallelism] in ``engine/process_groups.py``)."""
+        self.chunks = chunks
+        """Replica sharing (Note [replica sharing] in ``layout/sharing.py``): this rank's shard cut into one range per
+        replica (from the shard's start), exchanged over ``replica_group``; ``None``: the rank steps its whole shard."""
+        self.replica_group, self.replica_rank = replica_group, replica_rank
+        size = grad_data.numel() // shards
+        self.shard = rank * size, (rank + 1) * size
+        """This rank's shard, as a range of the bucket."""
+        begin, end = self.shard
+        if chunks is not None:
+            begin, end = begin + chunks[replica_rank][0], begin + chunks[replica_rank][1]
+        self.stepped_range = begin, end
+        """What this rank steps of the bucket (its shard, or its chunk of it), as a range of the bucket."""
+        self.grad = BucketGradient(self.name, grad_data, len(params), group, chunks, replica_group, self.shard,
+                                   self.stepped_range)
+        """Its gradients: buffers, :class:`GradState` and reduce-scatters."""
+        self.param = BucketParameters(self.name, param_data, gather_group, chunks, replica_group, self.shard)
+        """Its parameters: buffers, :class:`ParamState` and all-gathers."""
 
     @property
     def name(self) -> str:
         return f"{self.buffer}.{self.index}"
 
     @property
-    def shard(self) -> tuple[int, int]:
-        """This rank's shard, as a range of the bucket."""
-        size = self.grad_data.numel() // self.shards
-        return self.rank * size, (self.rank + 1) * size
-
-    @property
-    def stepped_range(self) -> tuple[int, int]:
-        """What this rank steps of the bucket (its shard, or its chunk of it), as a range of the bucket."""
-        begin, end = self.shard
-        if self.chunks is None:
-            return begin, end
-        a, b = self.chunks[self.replica_rank]
-        return begin + a, begin + b
-
-    def stepped_grad(self) -> torch.Tensor:
-        """The reduced gradient of what this rank steps (:attr:`stepped_range`), where it is kept."""
-        begin, end = self.stepped_range
-        if self.grad_shard is None:
-            return self.grad_data[begin:end]
-        if not is_allocated(self.grad_shard):  # dropped: zero until a reduction lands
-            allocate(self.grad_shard)
-            self.grad_shard.zero_()
-        first = self.shard[0]
-        return self.grad_shard[begin - first:end - first]
-
-    @property
-    def complete(self) -> bool:
-        """Every parameter's gradient arrived this backward."""
-        return len(self.ready) == len(self.params)
-
-    def _move(self, field_name: str, allowed: tuple, to) -> None:
-        now = getattr(self, field_name)
-        if now not in allowed:
-            raise BucketStateError(f"bucket {self.name}: {field_name} {now.value} cannot become {to.value} "
-                                   f"(only from {', '.join(s.value for s in allowed)})")
-        setattr(self, field_name, to)
-
-    # --- gradients ---------------------------------------------------------------------------------------------
-    def start_reduce(self) -> None:
-        """Dispatches the reduce-scatter of the gradients into this rank's shard, averaged (Note [averaging] in
-        ``engine/collectives.py``)."""
-        self._move("grad_state", (GradState.ACCUMULATING,), GradState.REDUCING)
-        self.reduce = collectives.reduce_scatter_bucket(self.full_grad, self.group, async_op=True, average=True)
-
-    def start_replica_reduce(self) -> None:
-        """With replica sharing, after the owner group's reduce-scatter landed: its mean averaged over the owner
-        groups into the chunk this rank steps (Note [replica sharing] in ``layout/sharing.py``)."""
-        begin, end = self.shard
-        self.reduce = collectives.reduce_scatter_chunks(self.full_grad[begin:end], self.chunks, self.replica_group,
-                                                        async_op=True, average=True)
-
-    def finish_reduce(self) -> None:
-        """Every reduction of this step landed (the caller waited for :attr:`reduce`)."""
-        self._move("grad_state", (GradState.REDUCING,), GradState.REDUCED)
-        self.reduce = None
-
-    # --- sharded parameters (Note [sharded parameters]) ---------------------------------------------------------
-    def drop_grad_shard(self) -> None:
-        """The gradients were dropped: the shard's storage is freed until the next reduction lands in it."""
-        free(self.grad_shard)
-
-    @property
-    def full_grad(self) -> torch.Tensor:
-        """The full gradient buffer a backward fills: :attr:`taken_grad` where one was taken, else ``grad_data``."""
-        return self.taken_grad if self.taken_grad is not None else self.grad_data
-
-    @property
-    def full_grad_held(self) -> bool:
-        return self.taken_grad is not None or is_allocated(self.grad_data)
-
-    def ensure_grad_buffer(self) -> None:
-        """Allocates the full gradient buffer, zeroed, unless it is held."""
-        if not self.full_grad_held:
-            allocate(self.grad_data)
-            self.grad_data.zero_()
-
-    def take_grad(self, grad: torch.Tensor) -> bool:
-        """Sharded parameters: where this bucket is exactly one parameter and its full buffer is not held, autograd's
-        gradient ``grad`` becomes that buffer, reduced in place, so a backward neither allocates the buffer nor
-        copies into it (Note [sharded gradients] in ``engine/grad_sync.py``); a later gradient of this backward is
-        added into it. False where the gradient must be added into ``grad_data``: it holds local sums (``no_sync``),
-        the bucket holds more (other parameters, padding), or ``grad`` differs in dtype or layout."""
-        if self.taken_grad is not None:
-            self.taken_grad.add_(grad.detach().reshape(-1))
-            return True
-        if (len(self.params) != 1 or is_allocated(self.grad_data) or grad.numel() != self.grad_data.numel()
-                or grad.dtype != self.grad_data.dtype or grad.device != self.grad_data.device
-                or grad.requires_grad or grad._is_view() or not grad.is_contiguous()):
-            return False
-        self.taken_grad = grad.view(-1)
-        return True
-
-    def drop_full_grad(self) -> None:
-        """Frees the full gradient buffer, or lets go of the gradient taken in its place."""
-        self.taken_grad = None
-        free(self.grad_data)
-
-    def fold_reduce(self) -> None:
-        """The reduce-scatter landed (the caller waited for :attr:`reduce`, and with replica sharing for the
-        chunks' too): the mean of what this rank steps is added into :attr:`grad_shard` and the full buffer is
-        freed."""
-        self._move("grad_state", (GradState.REDUCING,), GradState.REDUCED)
-        self.reduce = None
-        begin, end = self.stepped_range
-        self.stepped_grad().add_(self.full_grad[begin:end])
-        self.drop_full_grad()
-
-    def share_chunks(self) -> None:
-        """With replica sharing, after the step: every rank's shard gets the chunks its replicas stepped (Note
-        [replica sharing] in ``layout/sharing.py``), so that any rank's shard is current for the next gather."""
-        collectives.all_gather_chunks(self.param_shard, self.chunks, self.replica_group, async_op=False)
-
-    def accumulate_again(self) -> None:
-        """The backward that reduced this bucket ended; the next one accumulates into a fresh buffer."""
-        self._move("grad_state", (GradState.REDUCED, GradState.ACCUMULATING), GradState.ACCUMULATING)
-        self.ready.clear()
-
-    def mark_reduced(self) -> None:
-        """Every reduction of this accumulation was folded into the shard (the sync hands it out)."""
-        self._move("grad_state", (GradState.ACCUMULATING, GradState.REDUCED), GradState.REDUCED)
-
-    def start_unshard(self) -> None:
-        """Allocates the full parameters and dispatches their all-gather from every rank's shard."""
-        self._move("param_state", (ParamState.FREED,), ParamState.GATHERING)
-        allocate(self.param_data)
-        self.gather = collectives.all_gather_into(self.param_data, self.param_shard, self.gather_group,
-                                                  async_op=True)
-
-    def reshard(self) -> None:
-        """Frees the full parameters (the all-gather landed, or this rank's shard changed since)."""
-        self._move("param_state", (ParamState.READY, ParamState.STEPPED, ParamState.FREED), ParamState.FREED)
-        free(self.param_data)
-
-    def restart(self) -> None:
-        """A new accumulation: no gradient arrived yet (the caller zeroed the buffer)."""
-        if self.reduce is not None:
-            raise BucketStateError(f"bucket {self.name}: restarted with its reduce-scatter in flight")
-        self.ready.clear()
-        self.grad_state = GradState.ACCUMULATING
-
-    # --- parameters --------------------------------------------------------------------------------------------
-    def queue_gather(self) -> None:
-        """This rank's shard was stepped: its all-gathers are queued (with replica sharing, the chunks' across
-        the replicas first, :meth:`start_replica_gather`; then the owner group's, :meth:`start_gather`)."""
-        self._move("param_state", (ParamState.READY,), ParamState.STEPPED)
-        self.gather = None
-
-    def start_replica_gather(self) -> None:
-        """With replica sharing: dispatches the all-gather of the shard's chunks across the replicas, which the
-        owner group's all-gather follows (Note [replica sharing] in ``layout/sharing.py``)."""
-        begin, end = self.shard
-        self.replica_gather = collectives.all_gather_chunks(self.param_data[begin:end], self.chunks,
-                                                            self.replica_group, async_op=True)
-
-    def start_gather(self) -> None:
-        """Dispatches the owner group's all-gather (the caller waited for :attr:`replica_gather`)."""
-        self._move("param_state", (ParamState.STEPPED,), ParamState.GATHERING)
-        self.replica_gather = None
-        self.gather = collectives.all_gather_bucket(self.param_data, self.gather_group, async_op=True)
-
-    def finish_gather(self) -> None:
-        """The all-gather landed (the caller waited for :attr:`gather`): every rank holds the new parameters."""
-        self._move("param_state", (ParamState.GATHERING,), ParamState.READY)
-        self.gather = None
+    def sharded(self) -> bool:
+        """Whether only this rank's shard of the parameters is held between uses (Note [sharded parameters])."""
+        return self.param.shard is not None
 
     def abandon(self) -> None:
-        """Forgets every collective in flight (after a failed one: waiting would raise its error again). Sharded
-        parameters whose all-gather did not land are left freed: nothing of them is held here."""
-        lost = self.sharded and (self.param_state is ParamState.GATHERING or not is_allocated(self.param_data))
-        self.gather = self.reduce = self.replica_gather = self.taken_grad = None
-        self.param_state = ParamState.FREED if lost else ParamState.READY
-        self.grad_state = GradState.ACCUMULATING
+        """Forgets every collective in flight (after a failed one: waiting would raise its error again)."""
+        self.param.abandon()
+        self.grad.abandon()
 
 
 def allocate(tensor: torch.Tensor) -> None:
@@ -433,12 +495,12 @@ def allocate_shards(layout: Layout, buckets: list[Bucket], dtypes: list[tuple[to
         position = 0
         for bucket, bp in zip(mine, plan.buckets):
             size = bp.numel // bp.shards
-            bucket.param_shard = params[position:position + size]
+            bucket.param.shard = params[position:position + size]
             # Each bucket's gradient shard has storage of its own, freed whenever the gradients are dropped, so
             # that a backward holds the shards of the buckets it reduced so far only (Note [sharded gradients]).
-            bucket.grad_shard = torch.zeros(size, dtype=grad_dtype, device=device)
-            bucket.grad_data = torch.empty(bp.numel, dtype=grad_dtype, device=device)
-            free(bucket.grad_data)
+            bucket.grad.shard = torch.zeros(size, dtype=grad_dtype, device=device)
+            bucket.grad.data = torch.empty(bp.numel, dtype=grad_dtype, device=device)
+            free(bucket.grad.data)
             position += size
         sharded.append(FlatBuffer(params, torch.empty(0, dtype=grad_dtype, device=device)))
     return sharded
@@ -450,17 +512,17 @@ def cut_shard(bucket: Bucket, bp, layout: Layout, named: dict[str, nn.Parameter]
     parameter of the bucket is pointed at the shard (those this rank steps whole) or at ``full``, which becomes
     the bucket's full buffer, freed."""
     begin, end = bucket.shard
-    bucket.param_shard.copy_(full[begin:end])
+    bucket.param.shard.copy_(full[begin:end])
     for name in bp.params:
         slot, p = layout.params[name], named[name]
         inside = slot.offset - bp.start
         if name in stepped_whole:
-            p.data = view_of(bucket.param_shard, slot, like=p, offset=inside - begin)
+            p.data = view_of(bucket.param.shard, slot, like=p, offset=inside - begin)
         else:
             p.data = view_of(full, slot, like=p, offset=inside)
-    bucket.param_data = full
+    bucket.param.data = full
     free(full)
-    bucket.param_state = ParamState.FREED
+    bucket.param.state = ParamState.FREED
 
 
 def build_buckets(layout: Layout, flat_buffers: list[FlatBuffer], named: dict[str, nn.Parameter],

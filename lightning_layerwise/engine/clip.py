@@ -202,7 +202,7 @@ def _check_reduced(wrapper: LayerwiseDataParallel) -> None:
             f"expected the LayerwiseDataParallel wrapper, got {type(wrapper).__name__}. Pass the wrapper "
             "(its gradients are sharded across ranks); for an unwrapped module use torch.nn.utils.clip_grad_norm_."
         )
-    if any(b.grad_state is not GradState.REDUCED for b in wrapper.buckets):
+    if any(b.grad.state is not GradState.REDUCED for b in wrapper.buckets):
         raise RuntimeError(
             "the gradients are not reduced yet: call wrapper.finish_grad_sync() after the last backward of "
             "the step and before computing a gradient norm or clipping."

@@ -280,7 +280,7 @@ class LayerwiseDataParallel(nn.Module):
             if self.shard_parameters:
                 # Note [sharded parameters] in ``engine/buffers.py``: local gradients go to the full buffer; what
                 # this rank steps is handed its slot of the shard.
-                params_of, grads_of, base = bucket.param_shard, bucket.grad_shard, bucket.start + bucket.shard[0]
+                params_of, grads_of, base = bucket.param.shard, bucket.grad.shard, bucket.start + bucket.shard[0]
             else:
                 # Strided as the parameter, so the reduced gradient keeps its memory format (Note [memory format]
                 # in ``engine/buffers.py``).
@@ -360,7 +360,7 @@ class LayerwiseDataParallel(nn.Module):
         piece of it (whole parameters this rank steps view its shard: nothing to do)."""
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             for p, piece in self.grad_sync.pieces.items():
-                if self._bucket_of[p].param_state is ParamState.READY:
+                if self._bucket_of[p].param.state is ParamState.READY:
                     where = self.grad_sync.unit_of(p).piece
                     piece.copy_(p.reshape(-1)[where.start:where.stop])
 

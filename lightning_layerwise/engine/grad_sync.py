@@ -86,7 +86,7 @@ Note [sharded gradients]
     exists only while it is needed: the first gradient of a backward to reach the bucket allocates it (zeroed), the
     hook adds each gradient into it (the copy path: autograd's own ``.grad`` is dropped at once, as there is no slot
     to accumulate into beforehand), and the reduce-scatter averages it in place. A bucket that is one parameter
-    exactly takes autograd's gradient itself as that buffer (``Bucket.take_grad``; autograd stores a gradient no one
+    exactly takes autograd's gradient itself as that buffer (``BucketGradient.take``; autograd stores a gradient no one
     else holds, or a copy, and the hook drops its ``.grad``), so nothing is allocated or copied. This rank's shard
     of the mean is then *added* into the bucket's gradient shard and the full buffer freed. The gradient shard has
     storage of its own per bucket: freed when the gradients are dropped (a backward after ``zero_grad``, gradients
@@ -224,7 +224,7 @@ class GradientSync:
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
         # By storage object, not address: a sharded bucket's gradient shard is freed and allocated again.
         self._grad_storages = {flat.grads.untyped_storage()._cdata for flat in flat_buffers} | {
-            b.grad_shard.untyped_storage()._cdata for b in buckets if b.grad_shard is not None}
+            b.grad.shard.untyped_storage()._cdata for b in buckets if b.grad.shard is not None}
         self._carry: list[tuple[torch.Tensor, torch.Tensor]] = []  # (own shard, carried values) to add back
 
     def _device(self) -> torch.device:
@@ -349,10 +349,10 @@ class GradientSync:
         for flat in self.flat_buffers:
             flat.grads.zero_()
         for b in self._buckets:
-            b.restart()
+            b.grad.restart()
             if self.sharded:
-                b.drop_full_grad()
-                b.drop_grad_shard()  # carried values are in self._carry, added back after the reduction
+                b.grad.drop_full()
+                b.grad.drop_shard()  # carried values are in self._carry, added back after the reduction
         self._reducing, self._unreduced, self._flushed = [], False, False
         self._next_reduce = 0
         self._replica_queue, self._replica_started = [], set()
@@ -367,9 +367,9 @@ class GradientSync:
 
     def _wait_pending_reduces(self) -> None:
         for bucket in self._reduce_order:
-            if bucket.reduce is not None:
-                self.waiter.wait(bucket.reduce, "reduce_scatter")
-                bucket.reduce = None
+            if bucket.grad.reduce is not None:
+                self.waiter.wait(bucket.grad.reduce, "reduce_scatter")
+                bucket.grad.reduce = None
         self._reducing = []
         for flags_reduce in self._flag_reduces:  # the flags are zeroed next: their all-reduce must have landed
             self.waiter.wait(flags_reduce, "split_flags")
@@ -437,7 +437,7 @@ class GradientSync:
                 # Switched off on the optimizer's tensor (toggle_optimizer): see Note [gradient lifecycle].
                 return
         bucket = rec.bucket
-        if bucket.grad_state is not GradState.ACCUMULATING:
+        if bucket.grad.state is not GradState.ACCUMULATING:
             name = self._param_names[param]
             raise RuntimeError(
                 f"a gradient for {name!r} arrived after its bucket was reduced in the same backward (a "
@@ -452,10 +452,10 @@ class GradientSync:
                 rec.split_flag.fill_(1.0)
         if self.sharded:  # Note [sharded gradients]: autograd's gradient may be the full buffer itself
             self._unreduced = True
-            in_place = self._micro_batch_is_last and bucket.take_grad(grad)
-            if not bucket.full_grad_held:  # a new full buffer: the oldest in flight is folded in first
+            in_place = self._micro_batch_is_last and bucket.grad.take(grad)
+            if not bucket.grad.full_held:  # a new full buffer: the oldest in flight is folded in first
                 self._fold_beyond(self._reduces_in_flight - 1)
-                bucket.ensure_grad_buffer()
+                bucket.grad.ensure_full()
         if not in_place:
             view = rec.view
             if rec.assigned:
@@ -469,8 +469,8 @@ class GradientSync:
                 param.grad = rec.grad  # later backward passes of this accumulation add in place
         if not self._micro_batch_is_last:
             return
-        bucket.ready.add(id(param))
-        if bucket.complete:
+        bucket.grad.ready.add(id(param))
+        if bucket.grad.complete:
             if self.sharded:
                 self._grads_done(bucket)
             if self.overlap_grad_reduce:
@@ -480,7 +480,7 @@ class GradientSync:
         """Dispatches reduce-scatters in the fixed order, up to the first bucket not yet complete."""
         while self._next_reduce < len(self._reduce_order):
             bucket = self._reduce_order[self._next_reduce]
-            if not force and not bucket.complete:
+            if not force and not bucket.grad.complete:
                 return
             self._dispatch_reduce(bucket)
             self._next_reduce += 1
@@ -488,8 +488,8 @@ class GradientSync:
     def _dispatch_reduce(self, bucket: Bucket) -> None:
         if self.sharded:
             self._fold_beyond(self._reduces_in_flight - 1)  # each holds a full gradient buffer
-            bucket.ensure_grad_buffer()  # a bucket no gradient reached here still takes part
-        bucket.start_reduce()
+            bucket.grad.ensure_full()  # a bucket no gradient reached here still takes part
+        bucket.grad.start_reduce()
         self.waiter.trace("rs_dispatch", bucket)
         if self.sharded:  # its fold issues the cross-group reduce (Note [sharded gradients])
             self._reducing.append(bucket)
@@ -500,22 +500,22 @@ class GradientSync:
 
     def _start_replica_reduce(self, bucket: Bucket) -> None:
         """Note [replica reduce in backward]: ``bucket``'s cross-group reduce, behind its in-group reduce-scatter."""
-        with self._side_stream(bucket.grad_data):
-            self.waiter.wait(bucket.reduce, "reduce_scatter")
+        with self._side_stream(bucket.grad.data):
+            self.waiter.wait(bucket.grad.reduce, "reduce_scatter")
             self.waiter.trace("rs_wait", bucket)
-            bucket.start_replica_reduce()
+            bucket.grad.start_replica_reduce()
         self._replica_started.add(id(bucket))
         self.waiter.trace("replica_rs_dispatch", bucket)
 
     # --- sharded parameters (Note [sharded gradients]) ----------------------------------------------------------
     def _fold(self, bucket: Bucket) -> None:
         """Waits for ``bucket``'s reduce-scatter and adds this rank's shard of it into the gradient shard."""
-        self.waiter.wait(bucket.reduce, "reduce_scatter")
+        self.waiter.wait(bucket.grad.reduce, "reduce_scatter")
         self.waiter.trace("rs_wait", bucket)
         if bucket.chunks is not None:  # then across the owner groups, into the chunk this rank steps
-            bucket.start_replica_reduce()
-            self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
-        bucket.fold_reduce()
+            bucket.grad.start_replica_reduce()
+            self.waiter.wait(bucket.grad.reduce, "replica_reduce_scatter")
+        bucket.grad.fold_reduce()
         self._reducing.remove(bucket)
 
     def _fold_beyond(self, limit: int) -> None:
@@ -528,7 +528,7 @@ class GradientSync:
         while self._reducing:
             self._fold(self._reducing[0])
         for bucket in self._buckets:
-            bucket.accumulate_again()
+            bucket.grad.accumulate_again()
         self._next_reduce = 0
         self._unreduced, self._flushed = False, True
 
@@ -590,7 +590,7 @@ class GradientSync:
         for bucket in self._buckets:
             if bucket.expert:  # the expert data-parallel mean (Note [expert parallelism] in engine/process_groups.py)
                 self.own_shard(bucket).div_(self.expert_parallel_size)
-            bucket.mark_reduced()
+            bucket.grad.mark_reduced()
 
     def _finish_reductions(self) -> None:
         self._dispatch_ready_reduces(force=True)
@@ -599,23 +599,23 @@ class GradientSync:
         for bucket in self._reduce_order:
             if id(bucket) in started:  # its cross-group reduce went out during the backward
                 continue
-            if bucket.reduce is not None:
-                self.waiter.wait(bucket.reduce, "reduce_scatter")
-                bucket.reduce = None
+            if bucket.grad.reduce is not None:
+                self.waiter.wait(bucket.grad.reduce, "reduce_scatter")
+                bucket.grad.reduce = None
                 self.waiter.trace("rs_wait", bucket)
             if bucket.chunks is not None:
-                bucket.start_replica_reduce()
+                bucket.grad.start_replica_reduce()
                 self.waiter.trace("replica_rs_dispatch", bucket)
         for bucket in self._reduce_order:
-            if bucket.reduce is not None:
-                self.waiter.wait(bucket.reduce, "replica_reduce_scatter")
-                bucket.reduce = None
+            if bucket.grad.reduce is not None:
+                self.waiter.wait(bucket.grad.reduce, "replica_reduce_scatter")
+                bucket.grad.reduce = None
                 self.waiter.trace("replica_rs_wait", bucket)
             if bucket.expert:
                 # Note [expert parallelism] in ``engine/process_groups.py``: the expert data-parallel mean, over the E
                 # ranks that sent tokens.
                 self.own_shard(bucket).div_(self.expert_parallel_size)
-            bucket.finish_reduce()
+            bucket.grad.finish_reduce()
 
     def _hand_out(self, unit: GradUnit) -> None:
         """Gives ``unit`` its reduced gradient: ``main_grad`` (the buffer view) and ``.grad`` in its dtype;
@@ -756,7 +756,7 @@ class GradientSync:
     def own_shard(self, bucket: Bucket) -> torch.Tensor:
         """What this rank steps of ``bucket``'s gradient (its shard, or its chunk of it with replica sharing):
         after the sync, the mean over every rank."""
-        return bucket.stepped_grad()
+        return bucket.grad.stepped()
 
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (``all_finite`` in ``engine/clip_reductions.py``, over

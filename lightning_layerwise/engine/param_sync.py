@@ -154,7 +154,7 @@ class ParameterSync:
                         read_guard.mark_pending(p)
             if strict:
                 _poison_others_shards(bucket)
-            bucket.queue_gather()
+            bucket.param.queue_gather()
         self._queue, self._next, self._next_replica = queue, 0, 0
         if not overlap:
             self.finish()
@@ -164,7 +164,7 @@ class ParameterSync:
     def on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
         """The read guard's callback: makes ``param`` current, or raises in strict mode."""
         bucket = self._bucket_by_id[id(param)]
-        if bucket.param_state is ParamState.READY:  # landed in the meantime
+        if bucket.param.state is ParamState.READY:  # landed in the meantime
             read_guard.restore(param)
             return
         if self.read_guard == "strict":
@@ -188,8 +188,8 @@ class ParameterSync:
 
     def ensure_gathered(self, bucket: Bucket) -> None:
         """Waits until ``bucket`` is ready, dispatching and waiting earlier buckets in order."""
-        while bucket.param_state is not ParamState.READY:
-            if bucket.param_state is ParamState.STEPPED and len(self._in_flight) < self.prefetch_depth:
+        while bucket.param.state is not ParamState.READY:
+            if bucket.param.state is ParamState.STEPPED and len(self._in_flight) < self.prefetch_depth:
                 self._dispatch_next()
             else:
                 self._wait_oldest()
@@ -245,13 +245,13 @@ class ParameterSync:
         bucket = self._queue[self._next]
         self._next += 1
         self._dispatch_replica_gathers(through=self._next - 1 + self.prefetch_depth)
-        if bucket.replica_gather is None:
-            bucket.start_gather()
+        if bucket.param.replica_gather is None:
+            bucket.param.start_gather()
         else:  # the owner group gathers the shards the replicas completed (Note [cross-group gathers])
-            with self._side_stream(bucket.param_data):
-                self.waiter.wait(bucket.replica_gather, "replica_all_gather")
+            with self._side_stream(bucket.param.data):
+                self.waiter.wait(bucket.param.replica_gather, "replica_all_gather")
                 self.waiter.trace("replica_ag_wait", bucket)
-                bucket.start_gather()
+                bucket.param.start_gather()
         self._in_flight.append(bucket)
         self.waiter.trace("ag_dispatch", bucket)
 
@@ -262,13 +262,13 @@ class ParameterSync:
             bucket = self._queue[self._next_replica]
             self._next_replica += 1
             if bucket.chunks is not None:
-                bucket.start_replica_gather()
+                bucket.param.start_replica_gather()
                 self.waiter.trace("replica_ag_dispatch", bucket)
 
     def _wait_oldest(self) -> None:
         bucket = self._in_flight.pop(0)
-        self.waiter.wait(bucket.gather, "all_gather")
-        bucket.finish_gather()
+        self.waiter.wait(bucket.param.gather, "all_gather")
+        bucket.param.finish_gather()
         for p in bucket.params:
             read_guard.restore(p)
         self.waiter.trace("ag_wait", bucket)
@@ -285,17 +285,17 @@ class ParameterSync:
         """Whether ``bucket``'s in-group all-gather can be dispatched ahead of need without blocking the host
         (Note [cross-group gathers]): always on a GPU (the wait is a side stream's), on CPU once its cross-group
         gather has landed. Issues the cross-group gathers of the window first, as a dispatch would."""
-        if bucket.chunks is None or bucket.param_data.is_cuda:
+        if bucket.chunks is None or bucket.param.data.is_cuda:
             return True
         self._dispatch_replica_gathers(through=self._next - 1 + self.prefetch_depth)
-        return bucket.replica_gather is None or bucket.replica_gather.done
+        return bucket.param.replica_gather is None or bucket.param.replica_gather.done
 
 
 def _poison_others_shards(bucket: Bucket) -> None:
     """Strict mode: what other ranks stepped (their shards, the other chunks of this rank's) reads NaN until its
     all-gather lands."""
-    if bucket.param_data.is_floating_point():
+    if bucket.param.data.is_floating_point():
         begin, end = bucket.stepped_range
         with torch.no_grad():
-            bucket.param_data[:begin].fill_(math.nan)
-            bucket.param_data[end:].fill_(math.nan)
+            bucket.param.data[:begin].fill_(math.nan)
+            bucket.param.data[end:].fill_(math.nan)

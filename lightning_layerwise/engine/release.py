@@ -93,7 +93,7 @@ def _unshard_for_release(wrapper: Releasing) -> set[nn.Parameter]:
 def _readable(wrapper: Releasing, p: nn.Parameter) -> bool:
     """Whether ``p``'s values are held on this rank now (always, unless sharded and its bucket is freed)."""
     return not wrapper.shard_parameters or p in wrapper.grad_sync.stepped_whole \
-        or wrapper._bucket_of[p].param_state is ParamState.READY
+        or wrapper._bucket_of[p].param.state is ParamState.READY
 
 
 def _unheld(p: nn.Parameter, failed: bool) -> torch.Tensor:

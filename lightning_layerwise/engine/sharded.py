@@ -64,7 +64,7 @@ Note [sharded reads]
       bucket at a time; one whose reads keep views, as ``AveragedModel.update_parameters``
       does, holds them until it ends) and when it ends, once what was written into their split
       parameters reached this rank's pieces (``WeightAveraging`` swaps the average in);
-    * this rank's own (:meth:`ShardedParameterSync.local_reads`: the optimizer's step, the
+    * this rank's own (:meth:`ShardedReads.local`: the optimizer's step, the
       checkpoint formats' own gathers, even when a hook calls them) or none (a plain loop
       between steps): a parameter this rank steps whole is read from its shard; any other read
       raises :class:`ShardedParameterReadError`, in the front end's words (:class:`ReadRules`),
@@ -96,7 +96,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from typing import Callable, Iterable, Literal, NoReturn
+from typing import Callable, Iterable, Iterator, Literal, NoReturn
 
 import torch
 from torch import nn
@@ -135,7 +135,7 @@ _STEP, _LOCAL = "step", "local"  # the other read scopes: a step (the wrapper's 
 def _references(bucket: Bucket) -> int:
     """References to ``bucket``'s full storage: its buffer, its parameters, any view taken of them, and for a while
     after an all-gather, the backend's own."""
-    return torch._C._storage_Use_Count(bucket.param_data.untyped_storage()._cdata)
+    return torch._C._storage_Use_Count(bucket.param.data.untyped_storage()._cdata)
 
 
 def in_backward() -> bool:
@@ -150,6 +150,158 @@ class _SavedFromBucket:
 
     def __init__(self, bucket: Bucket, tensor: torch.Tensor) -> None:
         self.bucket, self.tensor = bucket, tensor
+
+
+class ShardedReads:
+    """Where each read of a sharded parameter happens, and what it may do there (Note [sharded reads]): the read
+    scopes, innermost last; the front end's words for errors; the ranks' agreement before a read in a hook; which
+    buckets a hook's reads gathered and may be freed. It decides; its :class:`ShardedParameterSync`
+    (``param_sync.reads``) gathers and frees.
+
+    Args:
+        gather_order: every bucket, in forward order.
+        names: each parameter's name, for errors.
+        waiter: this rank and the failure board, for errors.
+        stepped_whole: the parameters that view their bucket's shard (this rank steps them whole).
+        read_guard: ``"wait"`` or ``"strict"`` (reads outside a module's pre-hook raise).
+    """
+
+    def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter,
+                 stepped_whole: set, read_guard: Literal["wait", "strict"]) -> None:
+        self.rules = ReadRules()
+        """The front end's words for errors (set by the session that drives the wrapper)."""
+        self.agreement: ReadAgreement | None = None
+        """Every rank's agreement before a read in a hook gathers (Note [collective reads]); ``None``: such reads
+        gather without it (a wrapper no front end drives)."""
+        self._gather_order, self._names, self._waiter = gather_order, names, waiter
+        self._index = {id(b): i for i, b in enumerate(gather_order)}
+        self._stepped_whole = {id(p) for p in stepped_whole}
+        self._strict = read_guard == "strict"
+        self._scopes: list = []  # innermost last: _STEP, _LOCAL or a _HookScope
+        self._warned_views = False  # a view outlived a hook (warned once)
+        # References to each bucket's storage with no view taken (measured now: nothing in flight holds one)
+        self._unviewed = {id(b): _references(b) for b in gather_order}
+
+    @contextlib.contextmanager
+    def in_step(self):
+        """Inside, reads of sharded parameters gather their bucket (the wrapper's forward: every rank runs the same
+        code there)."""
+        with self._scope(_STEP):
+            yield
+
+    @contextlib.contextmanager
+    def local(self):
+        """Inside, reads are this rank's own (the optimizer's step, inside a hook): nothing is gathered on demand,
+        a parameter this rank steps whole is read from its shard."""
+        with self._scope(_LOCAL):
+            yield
+
+    @contextlib.contextmanager
+    def in_hook(self, where: str):
+        """Inside, reads are a hook's that every rank runs in the same order (``where``: its name); yields the
+        hook's scope, which keeps the buckets its reads gathered."""
+        scope = _HookScope(where)
+        with self._scope(scope):
+            yield scope
+
+    @contextlib.contextmanager
+    def _scope(self, scope):
+        self._scopes.append(scope)
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    def admits(self, param: nn.Parameter, func: Callable, bucket: Bucket, held: bool) -> bool:
+        """Whether a read of ``param``, whose ``bucket`` is not full, gathers the bucket: raises where it may not,
+        and False where it reads this rank's shard (``held``: inside :meth:`ShardedParameterSync.held`)."""
+        # Inside a step or a backward every rank reads alike, so a read may gather; inside held() (checkpoints)
+        # each rank reads what it owns, so nothing is gathered on demand there; in a hook, after an agreement.
+        scope = self._scopes[-1] if self._scopes else None
+        if held or not (scope is _STEP or isinstance(scope, _HookScope) or in_backward()):
+            if id(param) in self._stepped_whole:
+                # its values are here (the optimizer's step); it stays marked for the next forward's reads
+                return False
+            rules = self.rules
+            self._fail(ShardedParameterReadError(
+                f"{self._names[param]!r} was read by {read_guard.describe(func)} on rank {self._waiter.rank} while "
+                f"its bucket ({bucket.name}) is sharded: with shard_parameters=True this rank holds only its shard "
+                f"of it outside {rules.steps}. Read it inside `with llw.full_parameters(model):`, which every rank "
+                f"must enter (it gathers every parameter), or inside {rules.steps}. {rules.whole_again}"))
+        if self._strict:
+            self._fail(StaleParameterReadError(
+                f"{self._names[param]!r} was read by {read_guard.describe(func)} outside the forward pre-hook of the "
+                f"module that holds it, while its bucket ({bucket.name}) was not gathered. With "
+                "param_read_guard='wait' (the default) this read gathers the bucket and is correct, but costs an "
+                "all-gather that is not overlapped: call the module itself."))
+        return True
+
+    def hook_scope(self) -> _HookScope | None:
+        """The innermost scope if it is a hook's and no backward runs (a read there is a collective the ranks agree
+        on), else ``None``."""
+        scope = self._scopes[-1] if self._scopes else None
+        return scope if isinstance(scope, _HookScope) and not in_backward() else None
+
+    def agree(self, scope: _HookScope, bucket: Bucket, param: nn.Parameter, func: Callable) -> None:
+        """Every rank agrees on this read in a hook before it gathers ``bucket`` (Note [collective reads])."""
+        if self.agreement is not None:
+            try:
+                self.agreement.agree(self._index[id(bucket)], scope.where)
+            except ReadNotShared as failure:
+                self._fail(ShardedParameterReadError(self._not_shared(param, func, bucket, scope, failure)))
+
+    def keep(self, scope: _HookScope, bucket: Bucket) -> None:
+        """A read in the hook of ``scope`` gathered ``bucket``: kept with the operation reading it, once the backend
+        let go of the all-gather's own views."""
+        scope.gathered.append((bucket, read_guard.call_index()))
+        deadline = time.perf_counter() + 0.005
+        while _references(bucket) > self._unviewed[id(bucket)] and time.perf_counter() < deadline:
+            time.sleep(0)  # the backend's thread lets go of the all-gather's own views (microseconds)
+
+    def unused(self, scope: _HookScope, everything: bool) -> Iterator[Bucket]:
+        """The buckets reads in ``scope`` gathered that may be freed, one at a time as the caller frees them: those
+        full that nothing views now (``everything``: the hook ended). The rest stay the scope's."""
+        kept, call = [], read_guard.call_index()
+        for bucket, read_by in scope.gathered:
+            if bucket.param.state is not ParamState.READY:
+                continue
+            viewed = _references(bucket) > self._unviewed[id(bucket)]  # a read's result, or the backend, views it
+            if not everything and (read_by == call or viewed):  # or the operation reading now reads it too
+                kept.append((bucket, read_by))
+                continue
+            if viewed and not self._warned_views:
+                self._warned_views = True
+                warnings.warn(
+                    f"shard_parameters=True: a view of parameters of bucket {bucket.name} taken in {scope.where} "
+                    "outlives it (p.detach() or p.data kept on an object); the bucket is freed as the hook ends, "
+                    "and the view then holds no values (reading it may crash). Keep a copy: p.detach().clone().",
+                    stacklevel=3)
+            yield bucket
+        scope.gathered = kept
+
+    def _not_shared(self, param: nn.Parameter, func: Callable, bucket: Bucket, scope: _HookScope,
+                    failure: ReadNotShared) -> str:
+        """The error of a read in a hook that not every rank makes alike (Note [collective reads])."""
+        read = (f"{self._names[param]!r} was read by {read_guard.describe(func)} in {scope.where} on rank "
+                f"{self._waiter.rank}, which gathers its bucket ({bucket.name}) from every rank")
+        if failure.rows is not None:
+            here = failure.rows[self.agreement.board.rank][1]
+            reads = ", ".join(f"rank {r}: bucket {self._gather_order[b].name}{'' if h == here else ' in another hook'}"
+                              for r, (b, h) in enumerate(failure.rows))
+            what = f"; the ranks read differently at this point ({reads})"
+        else:
+            what = (f", but the other ranks did not make this read within {failure.waited:.0f} s (they wait in "
+                    "another collective, or went on without it)")
+        return (f"{read}{what}. A read of a sharded parameter in a hook is a collective: every rank must read the "
+                "same parameters in the same order (not under `if trainer.is_global_zero:`). To read on some ranks "
+                "only, enter `with llw.full_parameters(model):` on every rank and read inside.")
+
+    def _fail(self, error: RuntimeError) -> NoReturn:
+        """Raises ``error`` after posting it for the other ranks (Note [failing together])."""
+        board = self._waiter.board
+        if board is not None:
+            board.post(str(error))
+        raise error
 
 
 class ShardedParameterSync:
@@ -167,7 +319,6 @@ class ShardedParameterSync:
     """
 
     overlap = True
-    gathers = True
     holds_whole = False
 
     def __init__(self, gather_order: list[Bucket], names: dict[nn.Parameter, str], waiter: Waiter, *,
@@ -179,34 +330,25 @@ class ShardedParameterSync:
         self.names = names
         self.waiter = waiter
         self.prefetch_depth = prefetch_depth
-        self.reshard_after_forward = reshard_after_forward
-        self.read_guard = read_guard
+        self._reshard_after_forward = reshard_after_forward
         self._on_backward = on_backward
         self._write_back = write_back  # full parameters -> this rank's pieces of split ones (held_full)
         self.guarded_reads = 0
         """Reads that gathered their bucket outside a forward pre-hook (Note [sharded reads])."""
         self._index = {id(b): i for i, b in enumerate(gather_order)}
         self._bucket_by_id = {id(p): b for b in gather_order for p in b.params}
-        self._stepped_whole = {id(p) for p in stepped_whole}
         # Tensors on a bucket's full parameters, or on its shard (the parameters this rank steps whole): both are
         # gathered for, so that every rank gathers the same buckets (Note [when a bucket is full]).
-        self._by_storage = {b.param_data.untyped_storage()._cdata: b for b in gather_order}
+        self._by_storage = {b.param.data.untyped_storage()._cdata: b for b in gather_order}
         self._shard_ranges: dict[int, list[tuple[int, int, Bucket]]] = {}
         for b in gather_order:
-            begin = b.param_shard.storage_offset()
-            self._shard_ranges.setdefault(b.param_shard.untyped_storage()._cdata, []).append(
-                (begin, begin + b.param_shard.numel(), b))
+            begin = b.param.shard.storage_offset()
+            self._shard_ranges.setdefault(b.param.shard.untyped_storage()._cdata, []).append(
+                (begin, begin + b.param.shard.numel(), b))
         self._in_flight: list[Bucket] = []
         self._full: dict[int, Bucket] = {}  # ready buckets, by id
-        self._scopes: list = []  # read scopes, innermost last: _STEP, _LOCAL or a _HookScope (Note [sharded reads])
-        self.read_rules = ReadRules()
-        """The front end's words for errors (set by the session that drives the wrapper)."""
-        self._warned_views = False  # a view outlived a hook (warned once)
-        # References to each bucket's storage with no view taken (measured now: nothing in flight holds one)
-        self._unviewed = {id(b): _references(b) for b in gather_order}
-        self.agreement: ReadAgreement | None = None
-        """Every rank's agreement before a read in a hook gathers (Note [collective reads]); ``None``: such reads
-        gather without it (a wrapper no front end drives)."""
+        self.reads = ShardedReads(gather_order, names, waiter, stepped_whole, read_guard)
+        """Where reads of sharded parameters happen and what they may do (Note [sharded reads])."""
         self._held = 0  # full_parameters depth: nothing is freed inside
         self._last_unpacked: Bucket | None = None
         self._hooks_made = 0  # forward pre-hooks made so far: the next one's position in registration order
@@ -229,8 +371,8 @@ class ShardedParameterSync:
         stepped = self.gather_order if buckets is None else list(buckets)
         for bucket in stepped:
             if bucket.chunks is not None:
-                bucket.share_chunks()
-        stale = [b for b in stepped if b.param_state is not ParamState.FREED]
+                bucket.param.share_chunks()
+        stale = [b for b in stepped if b.param.state is not ParamState.FREED]
         for bucket in stale:
             self._free(bucket)
         if self._held:
@@ -245,9 +387,9 @@ class ShardedParameterSync:
 
     def ensure_gathered(self, bucket: Bucket) -> None:
         """Makes ``bucket`` full: waits for its all-gather, dispatching it first if it is freed."""
-        if bucket.param_state is ParamState.FREED:
+        if bucket.param.state is ParamState.FREED:
             self._dispatch(bucket)
-        if bucket.param_state is ParamState.GATHERING:
+        if bucket.param.state is ParamState.GATHERING:
             self._wait(bucket)
 
     def forward_pre_hook(self, buckets: list[Bucket]) -> Callable:
@@ -261,7 +403,7 @@ class ShardedParameterSync:
 
         def hook(_module, _args):
             backward = in_backward()
-            if not backward and self._held == 0 and (self.reshard_after_forward or not torch.is_grad_enabled()):
+            if not backward and self._held == 0 and (self._reshard_after_forward or not torch.is_grad_enabled()):
                 self._free_outside(buckets, position, last)
             for b in buckets:
                 self.ensure_gathered(b)
@@ -272,100 +414,38 @@ class ShardedParameterSync:
     def on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
         """The read guard's callback (Note [sharded reads])."""
         bucket = self._bucket_by_id[id(param)]
-        if bucket.param_state is ParamState.READY:
+        if bucket.param.state is ParamState.READY:
             read_guard.restore(param)
             return
-        # Inside a step or a backward every rank reads alike, so a read may gather; inside held() (checkpoints)
-        # each rank reads what it owns, so nothing is gathered on demand there; in a hook, after an agreement.
-        scope = self._scopes[-1] if self._scopes else None
-        hook = isinstance(scope, _HookScope)
-        if self._held or not (scope is _STEP or hook or in_backward()):
-            if id(param) in self._stepped_whole:
-                return  # its values are here (the optimizer's step); it stays marked for the next forward's reads
-            rules = self.read_rules
-            self._fail(ShardedParameterReadError(
-                f"{self.names[param]!r} was read by {read_guard.describe(func)} on rank {self.waiter.rank} while "
-                f"its bucket ({bucket.name}) is sharded: with shard_parameters=True this rank holds only its shard "
-                f"of it outside {rules.steps}. Read it inside `with llw.full_parameters(model):`, which every rank "
-                f"must enter (it gathers every parameter), or inside {rules.steps}. {rules.whole_again}"))
-        if self.read_guard == "strict":
-            self._fail(StaleParameterReadError(
-                f"{self.names[param]!r} was read by {read_guard.describe(func)} outside the forward pre-hook of the "
-                f"module that holds it, while its bucket ({bucket.name}) was not gathered. With "
-                "param_read_guard='wait' (the default) this read gathers the bucket and is correct, but costs an "
-                "all-gather that is not overlapped: call the module itself."))
-        if hook and not in_backward():
+        if not self.reads.admits(param, func, bucket, held=self._held > 0):
+            return
+        scope = self.reads.hook_scope()
+        if scope is not None:
             self._read_in_hook(scope, bucket, param, func)
             return
         self.guarded_reads += 1
         self.ensure_gathered(bucket)
 
-    def _fail(self, error: RuntimeError) -> NoReturn:
-        """Raises ``error`` after posting it for the other ranks (Note [failing together])."""
-        board = self.waiter.board
-        if board is not None:
-            board.post(str(error))
-        raise error
-
     def _read_in_hook(self, scope: _HookScope, bucket: Bucket, param: nn.Parameter, func: Callable) -> None:
         """A read in a hook every rank runs alike: the buckets earlier reads of the hook gathered are freed unless
         something views them, every rank agrees on this read, and its bucket is gathered (Note [sharded reads])."""
         self._free_read(scope, everything=False)
-        if bucket.param_state is ParamState.GATHERING:  # dispatched alike on every rank: waiting is this rank's own
+        if bucket.param.state is ParamState.GATHERING:  # dispatched alike on every rank: waiting is this rank's own
             self.ensure_gathered(bucket)
             return
-        if self.agreement is not None:
-            try:
-                self.agreement.agree(self._index[id(bucket)], scope.where)
-            except ReadNotShared as failure:
-                self._fail(ShardedParameterReadError(self._not_shared(param, func, bucket, scope, failure)))
+        self.reads.agree(scope, bucket, param, func)
         self.guarded_reads += 1
         self.ensure_gathered(bucket)
-        scope.gathered.append((bucket, read_guard.call_index()))
-        deadline = time.perf_counter() + 0.005
-        while _references(bucket) > self._unviewed[id(bucket)] and time.perf_counter() < deadline:
-            time.sleep(0)  # the backend's thread lets go of the all-gather's own views (microseconds)
+        self.reads.keep(scope, bucket)
 
     def _free_read(self, scope: _HookScope, everything: bool) -> None:
         """Frees the buckets reads in ``scope`` gathered, once what was written into their split parameters reached
         this rank's pieces: those nothing views now (``everything``: the hook ended). Inside held(), none."""
         if self._held:
             return
-        kept, call = [], read_guard.call_index()
-        for bucket, read_by in scope.gathered:
-            if bucket.param_state is not ParamState.READY:
-                continue
-            viewed = _references(bucket) > self._unviewed[id(bucket)]  # a read's result, or the backend, views it
-            if not everything and (read_by == call or viewed):  # or the operation reading now reads it too
-                kept.append((bucket, read_by))
-                continue
-            if viewed and not self._warned_views:
-                self._warned_views = True
-                warnings.warn(
-                    f"shard_parameters=True: a view of parameters of bucket {bucket.name} taken in {scope.where} "
-                    "outlives it (p.detach() or p.data kept on an object); the bucket is freed as the hook ends, "
-                    "and the view then holds no values (reading it may crash). Keep a copy: p.detach().clone().",
-                    stacklevel=2)
+        for bucket in self.reads.unused(scope, everything):
             self._write_back()
             self._free(bucket)
-        scope.gathered = kept
-
-    def _not_shared(self, param: nn.Parameter, func: Callable, bucket: Bucket, scope: _HookScope,
-                    failure: ReadNotShared) -> str:
-        """The error of a read in a hook that not every rank makes alike (Note [collective reads])."""
-        read = (f"{self.names[param]!r} was read by {read_guard.describe(func)} in {scope.where} on rank "
-                f"{self.waiter.rank}, which gathers its bucket ({bucket.name}) from every rank")
-        if failure.rows is not None:
-            here = failure.rows[self.agreement.board.rank][1]
-            reads = ", ".join(f"rank {r}: bucket {self.gather_order[b].name}{'' if h == here else ' in another hook'}"
-                              for r, (b, h) in enumerate(failure.rows))
-            what = f"; the ranks read differently at this point ({reads})"
-        else:
-            what = (f", but the other ranks did not make this read within {failure.waited:.0f} s (they wait in "
-                    "another collective, or went on without it)")
-        return (f"{read}{what}. A read of a sharded parameter in a hook is a collective: every rank must read the "
-                "same parameters in the same order (not under `if trainer.is_global_zero:`). To read on some ranks "
-                "only, enter `with llw.full_parameters(model):` on every rank and read inside.")
 
     def release(self, wait: bool = True) -> None:
         """Completes (``wait``) or abandons every all-gather; the buckets are not used afterwards."""
@@ -375,7 +455,7 @@ class ShardedParameterSync:
         self._in_flight = []
 
     # --- the backward (Note [when a bucket is full]) -----------------------------------------------------------
-    def pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor):
         """Saved-tensor pack hook: a tensor on a bucket's full parameters remembers its bucket."""
         with torch._C.DisableTorchFunctionSubclass():
             storage = tensor.untyped_storage()._cdata
@@ -385,17 +465,17 @@ class ShardedParameterSync:
                 bucket = next((b for begin, end, b in self._shard_ranges[storage] if begin <= offset < end), None)
         return tensor if bucket is None else _SavedFromBucket(bucket, tensor)
 
-    def unpack(self, saved):
+    def _unpack(self, saved):
         """Saved-tensor unpack hook: the bucket of a saved parameter is full before its node runs."""
         if type(saved) is not _SavedFromBucket:
             return saved
         self._on_backward()
         bucket = saved.bucket
         if bucket.expert:  # Note [sharded experts]: their layer gathered them; no collective depends on tokens
-            if bucket.param_state is not ParamState.READY:
+            if bucket.param.state is not ParamState.READY:
                 raise RuntimeError(f"bucket {bucket.name} of experts was not gathered before their backward")
             return saved.tensor
-        if bucket.param_state is not ParamState.READY:
+        if bucket.param.state is not ParamState.READY:
             self.ensure_gathered(bucket)
         if bucket is not self._last_unpacked:  # the backward reached another bucket: prefetch the ones before it
             self._last_unpacked = bucket
@@ -408,7 +488,7 @@ class ShardedParameterSync:
         def gather(_grads) -> None:
             self._on_backward()
             for b in buckets:
-                if b.param_state is ParamState.FREED:
+                if b.param.state is ParamState.FREED:
                     self._dispatch(b)
             for b in buckets:
                 self.ensure_gathered(b)
@@ -432,30 +512,26 @@ class ShardedParameterSync:
     def run_forward(self, call: Callable[[], object]) -> object:
         """Runs the wrapped module's forward, ``call``: reads inside gather on demand; what autograd saves of a
         bucket is gathered again for the backward (Note [when a bucket is full])."""
-        with self.reads_allowed():
+        with self.reads.in_step():
             if not torch.is_grad_enabled():  # no backward follows: nothing stays full after it
                 try:
                     return call()
                 finally:
-                    self.reshard_all()
-            with self.saved_tensors_hooks():
+                    self._reshard_all()
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return call()
-
-    def saved_tensors_hooks(self):
-        """The context the wrapper's forward runs in."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def grads_done(self, bucket: Bucket) -> None:
         """Every parameter of ``bucket`` received its gradient in this backward: nothing later reads it."""
-        if self._held == 0 and bucket.param_state is ParamState.READY:
+        if self._held == 0 and bucket.param.state is ParamState.READY:
             self._free(bucket)
 
     def end_of_backward(self) -> None:
         """A backward ended: every bucket still full is freed."""
         self._last_unpacked = None
-        self.reshard_all()
+        self._reshard_all()
 
-    def reshard_all(self) -> None:
+    def _reshard_all(self) -> None:
         """Frees every full bucket (after a backward, or a forward no backward follows), unless held full."""
         self.finish()
         if self._held == 0:
@@ -464,38 +540,15 @@ class ShardedParameterSync:
 
     # --- reads and full_parameters (Note [sharded reads]) ----------------------------------------------------
     @contextlib.contextmanager
-    def reads_allowed(self):
-        """Reads of sharded parameters gather their bucket inside (the wrapper's forward: every rank runs the same
-        code there)."""
-        with self._scope(_STEP):
-            yield
-
-    @contextlib.contextmanager
     def hook_reads(self, where: str):
         """Inside, reads are a hook's that every rank runs in the same order (``where``: its name): a read gathers
         its bucket once every rank agreed on it, and the buckets it gathered are freed when the hook ends, or at
         the next read when nothing views them (Note [sharded reads])."""
-        scope = _HookScope(where)
-        with self._scope(scope):
+        with self.reads.in_hook(where) as scope:
             try:
                 yield
             finally:
                 self._free_read(scope, everything=True)
-
-    @contextlib.contextmanager
-    def local_reads(self):
-        """Inside, reads are this rank's own (the optimizer's step, inside a hook): nothing is gathered on demand,
-        a parameter this rank steps whole is read from its shard."""
-        with self._scope(_LOCAL):
-            yield
-
-    @contextlib.contextmanager
-    def _scope(self, scope):
-        self._scopes.append(scope)
-        try:
-            yield
-        finally:
-            self._scopes.pop()
 
     @contextlib.contextmanager
     def held_full(self):
@@ -512,7 +565,7 @@ class ShardedParameterSync:
         self._held += 1
         try:
             for bucket in buckets:
-                if bucket.param_state is ParamState.FREED:
+                if bucket.param.state is ParamState.FREED:
                     self._dispatch(bucket)
             self.finish()
             yield
@@ -530,21 +583,21 @@ class ShardedParameterSync:
         order = self.gather_order
         for i, bucket in enumerate(order):
             self.ensure_gathered(bucket)
-            if i + 1 < len(order) and order[i + 1].param_state is ParamState.FREED:
+            if i + 1 < len(order) and order[i + 1].param.state is ParamState.FREED:
                 self._dispatch(order[i + 1])
             use(bucket)
-            bucket.reshard()
+            bucket.param.reshard()
             self._full.pop(id(bucket), None)
 
     # --- moves -------------------------------------------------------------------------------------------------
     def _dispatch(self, bucket: Bucket) -> None:
-        bucket.start_unshard()
+        bucket.param.start_unshard()
         self._in_flight.append(bucket)
         self.waiter.trace("ag_dispatch", bucket)
 
     def _wait(self, bucket: Bucket) -> None:
-        self.waiter.wait(bucket.gather, "all_gather")
-        bucket.finish_gather()
+        self.waiter.wait(bucket.param.gather, "all_gather")
+        bucket.param.finish_gather()
         self._in_flight.remove(bucket)
         self._full[id(bucket)] = bucket
         for p in bucket.params:
@@ -552,9 +605,9 @@ class ShardedParameterSync:
         self.waiter.trace("ag_wait", bucket)
 
     def _free(self, bucket: Bucket) -> None:
-        if bucket.param_state is ParamState.GATHERING:
+        if bucket.param.state is ParamState.GATHERING:
             self._wait(bucket)
-        bucket.reshard()
+        bucket.param.reshard()
         self._full.pop(id(bucket), None)
         self._guard(bucket)
         self.waiter.trace("free", bucket)
@@ -583,6 +636,6 @@ class ShardedParameterSync:
             if not 0 <= i < len(self.gather_order) or len(self._in_flight) >= self.prefetch_depth:
                 return
             bucket = self.gather_order[i]
-            if bucket.param_state is ParamState.FREED:
+            if bucket.param.state is ParamState.FREED:
                 self._dispatch(bucket)
             i += step

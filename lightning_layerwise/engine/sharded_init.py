@@ -91,7 +91,7 @@ class ParameterPublisher:
         self.left = {id(b): len(plans[id(b)].params) for b in buckets}
         self.published: dict[str, nn.Parameter] = {}
         for bucket in buckets:
-            bucket.param_shard.zero_()  # the padding between slots
+            bucket.param.shard.zero_()  # the padding between slots
 
     def memory_for(self, old: nn.Parameter) -> torch.Tensor:
         """Memory of its own for a meta parameter's value, strided as it (a dense permutation stays one)."""
@@ -114,13 +114,13 @@ class ParameterPublisher:
         inside = slot.offset - bp.start
         low, high = max(inside, begin), min(inside + slot.numel, end)
         if low < high:
-            bucket.param_shard[low - begin:high - begin].copy_(flat[low - inside:high - inside])
+            bucket.param.shard[low - begin:high - begin].copy_(flat[low - inside:high - inside])
         new.detach().untyped_storage().resize_(0)  # its value lives on in the shards
         self.published[name] = new
         self.left[id(bucket)] -= 1
         if self.left[id(bucket)] == 0:
             full = torch.empty(bp.numel, dtype=self.dtypes[bucket.buffer], device=self.device)
-            full[begin:end].copy_(bucket.param_shard)
+            full[begin:end].copy_(bucket.param.shard)
             cut_shard(bucket, bp, self.layout, self.published, self.stepped_whole, full)
 
     def check_complete(self) -> None:

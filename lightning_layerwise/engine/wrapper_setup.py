@@ -167,9 +167,9 @@ def full_gradient_views(buckets: list[Bucket], layout: Layout,
     bucket (a view of a freed storage cannot be made; the buffer is freed again at once)."""
     views = {}
     for bucket in buckets:
-        allocate(bucket.grad_data)
+        allocate(bucket.grad.data)
         for p in bucket.params:
             slot = layout.params[param_names[p]]
-            views[p] = view_of(bucket.grad_data, slot, like=p, offset=slot.offset - bucket.start)
-        free(bucket.grad_data)
+            views[p] = view_of(bucket.grad.data, slot, like=p, offset=slot.offset - bucket.start)
+        free(bucket.grad.data)
     return views

@@ -166,9 +166,9 @@ def _order_worker(rank, world, mutation):
         grad_sync.GradientSync._start_replica_reduce = lambda self, bucket: None
     model, session, optimizer, wrapped = _gpt_session(3)
     order: list[str] = []
-    in_group, across = buffers.Bucket.start_reduce, buffers.Bucket.start_replica_reduce
-    buffers.Bucket.start_reduce = lambda self: (order.append("in-group"), in_group(self))[1]
-    buffers.Bucket.start_replica_reduce = lambda self: (order.append("across"), across(self))[1]
+    in_group, across = buffers.BucketGradient.start_reduce, buffers.BucketGradient.start_replica_reduce
+    buffers.BucketGradient.start_reduce = lambda self: (order.append("in-group"), in_group(self))[1]
+    buffers.BucketGradient.start_replica_reduce = lambda self: (order.append("across"), across(self))[1]
     g = torch.Generator().manual_seed(rank)
     steps = []
     for _ in range(STEPS):
@@ -218,12 +218,13 @@ def _gather_worker(rank, world, mutation):
         ParameterSync.start = start_all
     model, session, optimizer, wrapped = _gpt_session(3, prefetch_depth=DEPTH, overlap_param_gather=True)
     order = wrapped.param_sync.gather_order
-    position = {id(b): i for i, b in enumerate(order)}
+    position = {id(b.param): i for i, b in enumerate(order)}
     events: list[tuple[str, int]] = []
-    across, in_group = buffers.Bucket.start_replica_gather, buffers.Bucket.start_gather
-    buffers.Bucket.start_replica_gather = lambda self: (events.append(("across", position[id(self)])),
-                                                        across(self))[1]
-    buffers.Bucket.start_gather = lambda self: (events.append(("in-group", position[id(self)])), in_group(self))[1]
+    across, in_group = buffers.BucketParameters.start_replica_gather, buffers.BucketParameters.start_gather
+    buffers.BucketParameters.start_replica_gather = lambda self: (events.append(("across", position[id(self)])),
+                                                                  across(self))[1]
+    buffers.BucketParameters.start_gather = lambda self: (events.append(("in-group", position[id(self)])),
+                                                          in_group(self))[1]
     g = torch.Generator().manual_seed(rank)
     steps = []
     for _ in range(STEPS):
@@ -234,7 +235,7 @@ def _gather_worker(rank, world, mutation):
         wrapped(idx)  # the next forward, whose pre-hooks wait for the gathers
         session.sync_parameters()
         steps.append(list(events))
-    chunked = [position[id(b)] for b in order if b.chunks is not None]
+    chunked = [position[id(b.param)] for b in order if b.chunks is not None]
     session.release()
     return steps, chunked, len(order)
 
@@ -290,7 +291,7 @@ def _prefetch_worker(rank, world, mutation):
     def traced(self):
         bucket = self._queue[self._next]
         self._dispatch_replica_gathers(through=self._next - 1 + self.prefetch_depth)  # what the dispatch does first
-        blocks = bucket.replica_gather is not None and not bucket.replica_gather.done
+        blocks = bucket.param.replica_gather is not None and not bucket.param.replica_gather.done
         records.append((position[id(bucket)], context[-1] if context else "step", blocks))
         return dispatch(self)
 

@@ -410,7 +410,7 @@ def test_norm_and_clipping_on_one_process():
     # (<= 16 U per level, ceil(log16 n) levels for n terms), adding the m bucket partials in turn
     # costs <= m U, and the root divides the error by p and rounds once more (<= 2 U).
     buckets = LayerwiseDataParallel(Net(), process_groups=ProcessGroups.single(), bucket_size=700).buckets
-    n = max(b.grad_data.numel() for b in buckets)
+    n = max(b.grad.data.numel() for b in buckets)
     bound = (2 + 16 * math.ceil(math.log(n, 16)) + len(buckets) + 2) * U
     worst = 0.0
     for got, want in zip(single["norms"], single["exact_norms"]):
@@ -498,10 +498,10 @@ def test_nonfinite_norm(synced):
     total = clip_grad_norm_(ddp, 1.0)  # like torch: scales by the NaN norm
     assert torch.isnan(total) and torch.isnan(model.fc2.weight.grad).all()
     for bucket in ddp.buckets:  # padding is never written, even by a NaN coefficient
-        mask = torch.ones(bucket.grad_data.numel(), dtype=torch.bool)
-        start = bucket.grad_data.data_ptr()
+        mask = torch.ones(bucket.grad.data.numel(), dtype=torch.bool)
+        start = bucket.grad.data.data_ptr()
         for p in bucket.params:
             lo = (p.main_grad.data_ptr() - start) // p.main_grad.element_size() if hasattr(p, "main_grad") else None
             if lo is not None:
                 mask[lo:lo + p.numel()] = False
-        assert not bucket.grad_data[mask].any()
+        assert not bucket.grad.data[mask].any()

@@ -58,13 +58,13 @@ def _param_sync_worker(rank: int, world: int) -> dict:
         read_guard.attach(p, sync.on_pending_read)
     for b in buckets:  # this rank's optimizer step: its shard only
         begin, end = b.shard
-        b.param_data[begin:end] = float(rank + 1)
+        b.param.data[begin:end] = float(rank + 1)
     sync.start()
-    out = {"after_start": [b.param_state.value for b in buckets], "in_flight": len(sync._in_flight)}
+    out = {"after_start": [b.param.state.value for b in buckets], "in_flight": len(sync._in_flight)}
     out["read"] = params[1].detach().clone()  # waits for bucket 1, and bucket 0 before it
     out["guarded"] = sync.guarded_reads
     sync.finish()
-    out["states"] = [b.param_state.value for b in buckets]
+    out["states"] = [b.param.state.value for b in buckets]
     out["values"] = flat.clone()
     out["events"] = list(waiter.events)
     for p in params:
@@ -100,12 +100,12 @@ def _grad_sync_worker(rank: int, world: int) -> dict:
         if step:
             a.grad = None  # cleared (optimizer.zero_grad); b's gradient is still held, so it is carried
             sync.prepare_backward()
-            out["restarted"] = bucket.grad_state.value
+            out["restarted"] = bucket.grad.state.value
         with sync.no_sync():
             ((rank + 1) * a.sum() + 2 * (rank + 1) * b.sum()).backward()
         (a.sum() + b.sum()).backward()
         sync.finish()
-    out["state"] = bucket.grad_state.value
+    out["state"] = bucket.grad.state.value
     out["a"] = None if a.grad is None else a.grad.clone()
     out["b"] = None if b.grad is None else b.grad.clone()
     out["norm_sq"] = sync.grad_norm_squared().item()
@@ -129,11 +129,11 @@ def test_gradient_sync_alone_accumulates_reduces_and_hands_out(world):
 
 def test_a_bucket_refuses_moves_out_of_order():
     bucket = Bucket(0, 3, [], torch.zeros(4), torch.zeros(4), first_param=0)
-    assert bucket.param_state is ParamState.READY and bucket.grad_state is GradState.ACCUMULATING
+    assert bucket.param.state is ParamState.READY and bucket.grad.state is GradState.ACCUMULATING
     with pytest.raises(BucketStateError, match="bucket 0.3: param_state ready cannot become ready"):
-        bucket.finish_gather()
-    bucket.start_reduce()  # one process: no group, nothing sent
+        bucket.param.finish_gather()
+    bucket.grad.start_reduce()  # one process: no group, nothing sent
     with pytest.raises(BucketStateError, match="grad_state reducing cannot become reducing"):
-        bucket.start_reduce()
-    bucket.finish_reduce()
-    assert bucket.grad_state is GradState.REDUCED
+        bucket.grad.start_reduce()
+    bucket.grad.finish_reduce()
+    assert bucket.grad.state is GradState.REDUCED

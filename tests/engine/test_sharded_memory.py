@@ -31,7 +31,7 @@ from benchmarks.bench_backward_memory import _peak_during  # the CPU allocator's
 from _init_styles import NanoGPT
 from helpers import nothing_full, rel_err
 from lightning_layerwise.engine import buffers, sharded
-from lightning_layerwise.engine.buffers import Bucket, is_allocated
+from lightning_layerwise.engine.buffers import BucketGradient, is_allocated
 from lightning_layerwise.engine.grad_sync import GradientSync
 from lightning_layerwise.engine.init_record import record_init, recordings_of
 from lightning_layerwise.engine.init_replay import plan_replay
@@ -65,7 +65,7 @@ def held_bytes(model: nn.Module, wrapper, optimizer) -> int:
         for piece in wrapper.grad_sync.pieces.values():
             tensors += [piece, piece.grad]
         for b in wrapper.buckets:
-            tensors += [b.param_data, b.grad_data, b.taken_grad, b.param_shard, b.grad_shard]
+            tensors += [b.param.data, b.grad.data, b.grad.taken, b.param.shard, b.grad.shard]
         for state in optimizer.state.values():
             tensors += [v for v in state.values() if torch.is_tensor(v)]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
@@ -103,7 +103,7 @@ def _memory_worker(rank, world, mutation):
         step = held_bytes(model, wrapped, optimizer)
         counts.append((forward, max(during[-2:] + [backward]), step, optimizer_bytes(optimizer)))
     numel = sum(p.numel() for p in model.parameters())
-    bucket = max(b.param_data.numel() for b in wrapped.buckets) * 4
+    bucket = max(b.param.data.numel() for b in wrapped.buckets) * 4
     return counts, numel * 4, bucket, len(wrapped.buckets)
 
 
@@ -145,8 +145,8 @@ def _setup_worker(rank, world, meta, shard=True):
     with llw.full_parameters(model):
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
     numel = sum(p.numel() for p in model.parameters())
-    bucket, n_buckets = max(b.param_data.numel() for b in wrapped.buckets), len(wrapped.buckets)
-    shard = sum(b.param_shard.numel() + b.grad_shard.numel() for b in wrapped.buckets if b.param_shard is not None)
+    bucket, n_buckets = max(b.param.data.numel() for b in wrapped.buckets), len(wrapped.buckets)
+    shard = sum(b.param.shard.numel() + b.grad.shard.numel() for b in wrapped.buckets if b.param.shard is not None)
     session.release()
     return peak, numel * 4, shard * 4, bucket * 4, n_buckets, values, in_optimizer
 
@@ -208,8 +208,8 @@ def _recorded_setup_worker(rank, world, name, mutation):
     wrapped = box[0]
     with llw.full_parameters(model):
         values = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    bucket = max(b.param_data.numel() for b in wrapped.buckets) * 4
-    shard = sum(b.param_shard.numel() + b.grad_shard.numel() for b in wrapped.buckets if b.param_shard is not None)
+    bucket = max(b.param.data.numel() for b in wrapped.buckets) * 4
+    shard = sum(b.param.shard.numel() + b.grad.shard.numel() for b in wrapped.buckets if b.param.shard is not None)
     largest = max(p.numel() for p in model.parameters()) * 4
     session.release()
     return peak, shard * 4, bucket, in_flight, largest, values
@@ -272,7 +272,7 @@ def _window_worker(rank, world, model_name, depth, mutation):
         spanning = {i for i in range(len(order)) if first[i] < position < last[i]}
 
         def check(_module, _args, position=position, allowed=window | spanning, spanning=spanning):
-            full = {i for i, b in enumerate(order) if is_allocated(b.param_data)}
+            full = {i for i, b in enumerate(order) if is_allocated(b.param.data)}
             seen.append((position, sorted(full), sorted(allowed), len(spanning)))
         module.register_forward_pre_hook(check)  # after the wrapper's own pre-hook
     g = torch.Generator().manual_seed(rank)
@@ -322,7 +322,7 @@ def _release_worker(rank, world, mutation):
             for bucket in self.gather_order:
                 use(bucket)
             for bucket in self.gather_order:
-                bucket.reshard()
+                bucket.param.reshard()
         sharded.ShardedParameterSync.gather_each = gather_each
     session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=3000))
     model = Stack()
@@ -333,7 +333,7 @@ def _release_worker(rank, world, mutation):
     session.step(optimizer)
     with llw.full_parameters(model):
         want = {n: p.detach().clone() for n, p in model.named_parameters()}
-    bucket = max(b.param_data.numel() for b in wrapped.buckets) * 4
+    bucket = max(b.param.data.numel() for b in wrapped.buckets) * 4
     peak, _ = _peak_during(session.release)
     got = {n: p.detach().clone() for n, p in model.named_parameters()}
     P = sum(p.numel() for p in model.parameters()) * 4
@@ -371,7 +371,7 @@ def _default_bytes_worker(rank, world, mutation):
     if mutation == "never-free":
         sharded.ShardedParameterSync._free_outside = lambda self, keep, first, last: None
     if mutation == "keep-gradient-shards":
-        Bucket.drop_grad_shard = lambda self: None
+        BucketGradient.drop_shard = lambda self: None
     options = {"bucket_size": llw.layout.DEFAULT_BUCKET_SIZE} if mutation == "unsharded-bucket-size" else {}
     session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, **options))  # defaults otherwise
     model = WideStack()
@@ -381,7 +381,7 @@ def _default_bytes_worker(rank, world, mutation):
     depth = wrapped.param_sync.prefetch_depth
     index = {id(b): i for i, b in enumerate(order)}
     bucket_of = {id(p): b for b in order for p in b.params}
-    nbytes = [b.param_data.numel() * b.param_data.element_size() for b in order]
+    nbytes = [b.param.data.numel() * b.param.data.element_size() for b in order]
     holders = [(m, sorted({index[id(bucket_of[id(p)])] for p in m.parameters(recurse=False)}))
                for m in model.modules() if any(id(p) in bucket_of for p in m.parameters(recurse=False))]
     seen = []
@@ -390,13 +390,13 @@ def _default_bytes_worker(rank, world, mutation):
         window = set(own) | set(range(own[-1] + 1, min(own[-1] + 1 + depth, len(order))))
 
         def check(_module, _args, position=position, window=window):
-            full = [i for i, b in enumerate(order) if is_allocated(b.param_data)]
+            full = [i for i, b in enumerate(order) if is_allocated(b.param.data)]
             outside = [i for i in full if i not in window]
             seen.append((position, sum(nbytes[i] for i in full), sum(nbytes[i] for i in window), outside))
         module.register_forward_pre_hook(check)  # after the wrapper's own pre-hook
     shards_held = []  # gradient shards allocated when the middle layer's gradient arrives (Note [sharded gradients])
     model.layers[12].weight.register_post_accumulate_grad_hook(lambda p: shards_held.append(
-        sum(is_allocated(b.grad_shard) for b in order)))
+        sum(is_allocated(b.grad.shard) for b in order)))
     g = torch.Generator().manual_seed(rank)
     after_step = []
     for _ in range(2):
@@ -404,7 +404,7 @@ def _default_bytes_worker(rank, world, mutation):
         optimizer.zero_grad()
         session.backward(wrapped(x).square().mean())
         session.step(optimizer)
-        after_step.append((sum(nbytes[i] for i, b in enumerate(order) if is_allocated(b.param_data)),
+        after_step.append((sum(nbytes[i] for i, b in enumerate(order) if is_allocated(b.param.data)),
                            held_bytes(model, wrapped, optimizer), optimizer_bytes(optimizer)))
     P = sum(p.numel() for p in model.parameters()) * 4
     largest = max(p.numel() for p in model.parameters()) * 4
@@ -472,7 +472,7 @@ def _taken_reference() -> dict[str, torch.Tensor]:
 
 def _taken_worker(rank, world, mutation):
     if mutation == "copy":
-        Bucket.take_grad = lambda self, grad: False
+        BucketGradient.take = lambda self, grad: False
     allocated = []  # storages of full gradient buffers allocated, by step
     real_allocate = buffers.allocate
     buffers.allocate = lambda t: (allocated[-1].add(t.untyped_storage()._cdata), real_allocate(t))
@@ -480,7 +480,7 @@ def _taken_worker(rank, world, mutation):
     model = _taken_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     wrapped = session.wrap(model, optimizer)
-    single = [b for b in wrapped.buckets if len(b.params) == 1 and b.params[0].numel() == b.grad_data.numel()]
+    single = [b for b in wrapped.buckets if len(b.params) == 1 and b.params[0].numel() == b.grad.data.numel()]
     shapes = [[tuple(p.shape) for p in b.params] for b in wrapped.buckets]
     emptied = True
     for (x, y), (micro, quiet) in zip(_taken_batches(), TAKEN_STEPS):
@@ -497,7 +497,7 @@ def _taken_worker(rank, world, mutation):
     with llw.full_parameters(model):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     session.release()
-    own = [[any(b.grad_data.untyped_storage()._cdata in step for b in single)] for step in allocated]
+    own = [[any(b.grad.data.untyped_storage()._cdata in step for b in single)] for step in allocated]
     return params, len(single), shapes, [o[0] for o in own], emptied
 
 
@@ -539,7 +539,7 @@ def _full_grads_worker(rank, world, mutation):
     wrapped = session.wrap(model, optimizer)
     held = []
     for p in model.parameters():  # after the wrapper's own hook, which took the gradient or added it in
-        p.register_post_accumulate_grad_hook(lambda p: held.append(sum(b.full_grad_held for b in wrapped.buckets)))
+        p.register_post_accumulate_grad_hook(lambda p: held.append(sum(b.grad.full_held for b in wrapped.buckets)))
     g = torch.Generator().manual_seed(rank)
     for _ in range(2):
         optimizer.zero_grad()

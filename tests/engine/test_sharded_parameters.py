@@ -67,7 +67,7 @@ def _train_worker(rank, world, model_name, opt_name, micro, no_sync, clip, optio
             with wrapped.no_sync() if quiet else torch.enable_grad():
                 session.backward(loss_of(wrapped, x, y) / micro)
             # a backward frees every bucket it gathered; without no_sync it also reduced every bucket
-            freed_between_steps &= all(b.param_state is ParamState.FREED for b in wrapped.buckets)
+            freed_between_steps &= all(b.param.state is ParamState.FREED for b in wrapped.buckets)
             freed_between_steps &= quiet or nothing_full(wrapped)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -127,7 +127,7 @@ def _unpack_without_gather(self, saved):
 
 
 def _wait_skipped(self, bucket):
-    bucket.finish_gather()  # marked ready without waiting for the all-gather
+    bucket.param.finish_gather()  # marked ready without waiting for the all-gather
     self._in_flight.remove(bucket)
     self._full[id(bucket)] = bucket
     for p in bucket.params:
@@ -136,7 +136,7 @@ def _wait_skipped(self, bucket):
 
 def _mutated_worker(rank, world, mutation):
     if mutation == "unpack":
-        sharded.ShardedParameterSync.unpack = _unpack_without_gather
+        sharded.ShardedParameterSync._unpack = _unpack_without_gather
     else:
         sharded.ShardedParameterSync._wait = _wait_skipped
     return _train_worker(rank, world, "attention", "adamw", 1, False, None, {"bucket_size": 1000})

@@ -55,7 +55,7 @@ def _sharded_worker(rank: int, world: int, tmp: str, opt_name: str, owner_group_
             freed &= nothing_full(wrapped)
         torch.cuda.synchronize()
         held = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
-                    for b in wrapped.buckets for t in (b.param_data, b.param_shard)}.values())
+                    for b in wrapped.buckets for t in (b.param.data, b.param.shard)}.values())
         with llw.full_parameters(model):
             params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
         session.release()

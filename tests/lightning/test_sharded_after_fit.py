@@ -71,8 +71,8 @@ def _after_fit(rank, world, name, root):
     if name == "sharded":
         wrapper = trainer.strategy.session.wrapper
         out["sharded"] = wrapper is not None and len(wrapper.buckets) > 1 and all(
-            b.param_state.value == "freed" for b in wrapper.buckets)
-        out["gradients_freed"] = all(b.grad_shard is None or b.grad_shard.untyped_storage().size() == 0
+            b.param.state.value == "freed" for b in wrapper.buckets)
+        out["gradients_freed"] = all(b.grad.shard is None or b.grad.shard.untyped_storage().size() == 0
                                      for b in wrapper.buckets)
         try:
             model.head.weight.sum()  # tied: named wte.weight
@@ -87,7 +87,7 @@ def _after_fit(rank, world, name, root):
     model.fail = False
     out["val_loss"] = trainer.validate(model, loader(world, 1), verbose=False)[0]["val_loss"]
     if name == "sharded":
-        out["sharded_after_validate"] = all(b.param_state.value == "freed"
+        out["sharded_after_validate"] = all(b.param.state.value == "freed"
                                             for b in trainer.strategy.session.wrapper.buckets)
     trainer.save_checkpoint(f"{root}/{name}.ckpt")
     out["fit"] = _values(model)

@@ -114,7 +114,7 @@ class BucketProbe(L.Callback):
         self.most_full, self.left_full, self.buckets = 0, False, 0
 
     def _full(self, trainer) -> int:
-        return sum(b.param_state is ParamState.READY for b in trainer.strategy.session.wrapper.buckets)
+        return sum(b.param.state is ParamState.READY for b in trainer.strategy.session.wrapper.buckets)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         for p in pl_module.parameters():

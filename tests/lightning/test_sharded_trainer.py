@@ -37,7 +37,7 @@ class Probe(L.Callback):
         wrapper = trainer.strategy.session.wrapper
         self.seen["sharded"] = wrapper.shard_parameters and len(wrapper.buckets) > 1
         self.seen.setdefault("freed_between_steps", True)
-        self.seen["freed_between_steps"] &= all(b.param_state.value == "freed" for b in wrapper.buckets)
+        self.seen["freed_between_steps"] &= all(b.param.state.value == "freed" for b in wrapper.buckets)
 
     def on_train_end(self, trainer, pl_module):
         self.seen["guarded_reads"] = trainer.strategy.session.wrapper.param_sync.guarded_reads
