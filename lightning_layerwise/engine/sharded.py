@@ -6,34 +6,24 @@ only its shard of each bucket between uses. :class:`ShardedParameterSync` takes 
 parameters exist.
 
 Note [when a bucket is full]
-    Forward. The forward pre-hook of a module waits for its buckets (gathering one that is
-    freed) and dispatches the all-gathers of the next ``prefetch_depth`` buckets in
-    forward order. With ``reshard_after_forward`` (the default) it first frees every full
-    bucket the forward has moved past: all but the module's own, those prefetched after
-    its last, and those a module registered after it also holds. A bucket can hold
-    parameters of distant modules (Muon's layout puts equal-shape matrices of different
-    layers together for batched Newton-Schulz; an embedding tied to the output layer),
-    and freeing it between them would gather it twice in one forward. Registration order stands
-    in for call order; where they differ a bucket is only freed earlier or later than
-    needed, and a read of a freed one gathers it again. Without it, buckets stay full
-    from their forward to their backward. A forward without autograd (validation) frees
-    as it goes whatever the setting.
+    Forward. A module's forward pre-hook waits for its buckets (gathering a freed one) and dispatches the
+    all-gathers of the next ``prefetch_depth`` buckets in forward order. With ``reshard_after_forward`` (the
+    default) it first frees every full bucket the forward has moved past: all but the module's own, those
+    prefetched after its last, and those a module registered after it also holds (a bucket can hold parameters
+    of distant modules: equal-shape matrices batched for Newton-Schulz, a tied embedding). Registration order
+    stands in for call order; where they differ a bucket is freed earlier or later, and a read of a freed one
+    gathers it again. Without it, buckets stay full from their forward to their backward. A forward without
+    autograd (validation) frees as it goes.
 
-    Backward. While the wrapper's forward runs, a saved-tensor hook packs every tensor
-    autograd saves on the storage of a bucket's full parameters with its bucket; unpacking
-    it, just before the node that needs it runs, gathers the bucket if it was freed and
-    dispatches the all-gathers of the ``prefetch_depth`` buckets before it in forward
-    order (the usual order of a backward). A bucket is freed as soon as every one of its
-    parameters received its gradient (nothing later in this backward reads it), and every
-    bucket still full when the backward ends is freed then (a callback queued on autograd's
-    engine). Forward pre-hooks that run inside a backward (activation checkpointing
-    recomputes the forward) gather but never free.
+    Backward. During the wrapper's forward, a saved-tensor hook packs every tensor autograd saves on a bucket's
+    full storage with its bucket; unpacking it gathers the bucket if freed and prefetches the ``prefetch_depth``
+    buckets before it in forward order. A bucket is freed once each of its parameters received its gradient,
+    and every bucket still full when the backward ends is freed then (a callback on autograd's engine). Forward
+    pre-hooks inside a backward (activation checkpointing) gather but never free.
 
-    Order. Every decision above depends only on the sequence of modules called and nodes
-    run, which is the same on every rank for the same code, so every rank issues the same
-    all-gathers in the same order. A model whose modules run differently on different
-    ranks (a data-dependent branch, a mixture of experts that skips an expert without
-    tokens) must call every module on every rank, as under FSDP.
+    Order. Every decision depends only on the sequence of modules called and nodes run, the same on every rank
+    for the same code, so every rank issues the same all-gathers in the same order. A model whose modules run
+    differently on different ranks must call every module on every rank, as under FSDP.
 
 Note [sharded experts]
     Which experts a rank's tokens reach differs between ranks, so a rank may not call an
@@ -47,32 +37,24 @@ Note [sharded experts]
     gathers or prefetches. The buckets are freed as dense ones are.
 
 Note [sharded reads]
-    A parameter that does not lie in this rank's shard views its bucket's full buffer; while
-    the bucket is freed every parameter of it carries the read guard's pending class (Note
-    [read guard] in ``engine/read_guard.py``), so a torch operation on one (``.sum()``,
-    ``.data``, ``state_dict()``, ``copy.deepcopy``) comes here first. What the read does
-    depends on the innermost read scope:
+    A parameter outside this rank's shard views its bucket's full buffer; while the bucket is freed it carries
+    the read guard's pending class (Note [read guard] in ``engine/read_guard.py``), so a torch operation on it
+    (``.sum()``, ``.data``, ``state_dict()``, ``copy.deepcopy``) comes here first. The innermost read scope decides:
 
-    * a step (the wrapper's forward; under Lightning ``training_step``, ``validation_step``...)
-      or a backward: every rank runs the same code there, so the read gathers the bucket;
-    * a hook (:meth:`ShardedParameterSync.hook_reads`, entered by the Trainer strategy around
-      each hook of the callbacks, the LightningModule and the datamodule): every rank runs the
-      same hooks in the same order, so the read is a collective too, but one that code may make
-      on some ranks only. The ranks agree on it first (Note [collective reads] in
-      ``engine/collective_reads.py``), then gather the bucket. A hook's buckets are freed at
-      its next read that finds nothing viewing them (a hook reading every parameter holds one
-      bucket at a time; one whose reads keep views, as ``AveragedModel.update_parameters``
-      does, holds them until it ends) and when it ends, once what was written into their split
+    * a step (the wrapper's forward; under Lightning ``training_step``...) or a backward: every rank runs the
+      same code, so the read gathers the bucket;
+    * a hook (:meth:`ShardedParameterSync.hook_reads`, entered by the Trainer strategy around each hook):
+      every rank runs the same hooks, but code may read on some ranks only, so the ranks agree first (Note
+      [collective reads] in ``engine/collective_reads.py``), then gather. A hook's buckets are freed at its next
+      read that finds nothing viewing them, and when it ends, once what was written into their split
       parameters reached this rank's pieces (``WeightAveraging`` swaps the average in);
-    * this rank's own (:meth:`ShardedReads.local`: the optimizer's step, the
-      checkpoint formats' own gathers, even when a hook calls them) or none (a plain loop
-      between steps): a parameter this rank steps whole is read from its shard; any other read
-      raises :class:`ShardedParameterReadError`, in the front end's words (:class:`ReadRules`),
-      instead of waiting for a collective that may never come.
+    * this rank's own (:meth:`ShardedReads.local`: the optimizer's step, the checkpoint formats' gathers) or
+      none (a plain loop between steps): a parameter this rank steps whole is read from its shard; any other
+      read raises :class:`ShardedParameterReadError` (:class:`ReadRules`) instead of waiting for a collective
+      that may never come.
 
-    Inside :meth:`held` nothing is gathered on demand. An error raised here is posted for the
-    other ranks first (Note [failing together] in ``engine/collective_reads.py``). Metadata
-    (shape, dtype, ``requires_grad``) is always readable.
+    Inside :meth:`held` nothing is gathered on demand. An error raised here is posted for the other ranks first
+    (Note [failing together] in ``engine/collective_reads.py``). Metadata (shape, dtype) is always readable.
 
 Note [sharded release]
     A sharded run does not end when ``trainer.fit`` returns: the module stays sharded, as
