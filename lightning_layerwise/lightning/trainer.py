@@ -13,8 +13,8 @@ one session method:
 * ``pre_backward`` / ``post_backward``: ``before_backward`` / ``after_backward``;
 * after ``optimizer.step``: ``after_step`` (the all-gather the next forward waits for);
 * before evaluation, checkpointing and teardown: ``sync_parameters``;
-* checkpoints: ``optimizer_state``, ``save``, ``read``, ``load_optimizer_states``
-  (the format is the session's, ``formats.py``);
+* checkpoints: ``session.checkpoints``' ``save_format`` (its ``optimizer_state`` and ``save``), ``read``,
+  ``load_optimizer_states`` (the format is the session's, ``formats.py``);
 * ``teardown``: ``release``; with sharded parameters the run goes on after ``fit`` (``validate``/``test``/
   ``predict`` and checkpoints use it) until ``llw.release``, the next ``fit`` or interpreter exit.
 
