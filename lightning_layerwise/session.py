@@ -11,12 +11,15 @@ the run that does not depend on who calls it:
   :class:`LayerwiseDataParallel`, creates the process groups, puts the shards (and float32
   master weights) in the optimizers;
 * the step: :meth:`~LayerwiseSession.before_backward`, :meth:`~LayerwiseSession.after_backward`,
-  :meth:`~LayerwiseSession.before_step`, :meth:`~LayerwiseSession.after_step`,
-  :meth:`~LayerwiseSession.grads_finite` (and :meth:`~LayerwiseSession.backward` /
-  :meth:`~LayerwiseSession.step`, which chain them for a plain loop);
+  :meth:`~LayerwiseSession.before_step`, :meth:`~LayerwiseSession.after_step` (and
+  :meth:`~LayerwiseSession.backward` / :meth:`~LayerwiseSession.step`, which chain them for a plain loop);
+  ``session.steps`` (:class:`StepCount`: steps taken and skipped, :meth:`StepCount.grads_finite`,
+  :meth:`StepCount.skip`);
+* ``session.reads`` (:class:`SessionReads`): reads of sharded parameters in hooks and a rank's own, and the
+  error a failing rank posts;
 * checkpoints: :meth:`~LayerwiseSession.save_checkpoint` / :meth:`~LayerwiseSession.load_checkpoint`, and
   ``session.checkpoints`` (:class:`~lightning_layerwise.session_checkpoints.SessionCheckpoints`: what this rank
-  writes and reads, names, optimizer state cut to this rank) through one
+  writes and reads, names, the module's state dict, optimizer state cut to this rank) through one
   :class:`~lightning_layerwise.checkpoint.formats.CheckpointFormat` per format;
 * :meth:`~LayerwiseSession.release`: waits for what is in flight, unwraps the module and
   destroys the run's groups.
@@ -90,14 +93,14 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from .engine.clip import clip_grad_norm_, clip_grad_value_
 from .config import DTYPES, LayerwiseConfig
 from .engine.grad_utils import gradient_utilities
 from .engine.data_parallel import LayerwiseDataParallel, wrappers_of
 from .engine.module_checks import reject_sparse_gradients
 from .engine.wrapper_setup import layout_specs
 from .experts import check_expert_marks, expert_key_map, expert_parameter_names
-from .session_checkpoints import SessionCheckpoints
+from .session_checkpoints import GlobalNames, SessionCheckpoints
+from .checkpoint.files import TorchFileIO
 from .checkpoint.formats import Checkpoint
 from .checkpoint.named_state import to_cpu
 from .layout import Layout, choose_expert_group_size, choose_owner_group_size, plan_layout
@@ -158,6 +161,99 @@ class SessionEnv:
                    warn=on_rank_zero(lambda message: warnings.warn(message, stacklevel=3)))
 
 
+class StepCount:
+    """The optimizer steps of a session's run: those taken since wrapping (``replica_check_every`` counts them)
+    and those skipped on every rank because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
+
+    def __init__(self, session: "LayerwiseSession", name: str) -> None:
+        self._session = session
+        self._name = name  # the settings' owner, for the warning
+        self.taken = 0
+        """Optimizer steps since wrapping (or since an optimizer was added)."""
+        self.skipped = 0
+        """Steps skipped because some rank's gradients were not finite."""
+
+    def grads_finite(self) -> bool:
+        """Whether every rank's reduced gradients are finite (one all-reduce; ``True`` when not wrapped)."""
+        wrapper = self._session.wrapper
+        return wrapper is None or wrapper.grad_sync.grads_are_finite()
+
+    def skip(self, step: Any = None) -> bool:
+        """With ``skip_nonfinite_steps``: whether this step is skipped on every rank (then counted and warned,
+        naming ``step``, by default :attr:`taken`); collective."""
+        session = self._session
+        if not session.config.skip_nonfinite_steps or session.wrapper is None or self.grads_finite():
+            return False
+        self.skipped += 1
+        step = self.taken if step is None else step
+        where = f" at step {step}" if step is not None else ""
+        session.env.warn(f"{self._name}(skip_nonfinite_steps=True): gradients hold inf or NaN{where}; the optimizer "
+                         f"step is skipped on every rank ({self.skipped} skipped so far, strategy.skipped_steps).")
+        return True
+
+
+class SessionReads:
+    """Reads of a session's sharded parameters outside the forward (Note [sharded reads] in ``engine/sharded.py``):
+    how errors name the front end's steps, the contexts for a hook's reads and for a rank's own, and the board on
+    which a failing rank posts its error (Note [failing together] in ``engine/collective_reads.py``). Without
+    sharded parameters the contexts do nothing."""
+
+    def __init__(self, session: "LayerwiseSession", rules: ReadRules) -> None:
+        self._session = session
+        self.rules = rules
+        """How errors about reads of sharded parameters name this front end's steps (the adapters set theirs)."""
+        self.failure: Optional[str] = None
+        """Another rank's read error, posted before a failed run was released (Note [failing together])."""
+        self._board: Optional[FailureBoard] = None  # with sharded parameters: Note [failing together]
+        self._agreement: Optional[ReadAgreement] = None  # Note [collective reads]
+
+    def open(self, timeout: Optional[timedelta]) -> None:
+        """The run's board and agreement with sharded parameters (collective, as the wrapping: every rank opens the
+        same run's board; none otherwise), attached to the wrapper."""
+        sharded = self._session.wrapper.shard_parameters
+        self._board = FailureBoard.open() if sharded else None
+        self._agreement = ReadAgreement.create(self._board, timeout)
+        self.attach()
+
+    def attach(self) -> None:
+        """The wrapper's parameter side learns the rules, the agreement and the board (again after a re-plan)."""
+        param_sync = self._session.wrapper.param_sync
+        if isinstance(param_sync, ShardedParameterSync):
+            param_sync.reads.rules, param_sync.reads.agreement = self.rules, self._agreement
+            param_sync.waiter.board = self._board
+
+    def hook(self, where: str):
+        """A context for a hook every rank runs in the same order (``where``: its name): reads of sharded
+        parameters inside gather on demand, as collectives (Note [collective reads] in
+        ``engine/collective_reads.py``)."""
+        param_sync = self._param_sync()
+        if isinstance(param_sync, ShardedParameterSync):
+            return param_sync.hook_reads(where)
+        return contextlib.nullcontext()
+
+    def local(self):
+        """A context for this rank's own reads (the optimizer's step inside a hook): nothing gathers on demand."""
+        param_sync = self._param_sync()
+        if isinstance(param_sync, ShardedParameterSync):
+            return param_sync.reads.local()
+        return contextlib.nullcontext()
+
+    def _param_sync(self):
+        wrapper = self._session.wrapper
+        return wrapper.param_sync if wrapper is not None else None
+
+    def post_failure(self) -> None:
+        """Keeps an error another rank posted (:attr:`failure`), as a failed run is released."""
+        if self._board is not None:
+            self.failure = self._board.unseen()
+
+    def close(self) -> None:
+        """The run ends: its agreement group is destroyed (local) and the board forgotten."""
+        agreement, self._board, self._agreement = self._agreement, None, None
+        if agreement is not None:
+            agreement.destroy()
+
+
 class LayerwiseSession:
     """One run of the layer-wise optimizer: wrap, step, checkpoint, release (see the module doc).
 
@@ -176,7 +272,7 @@ class LayerwiseSession:
                             "names a misspelt one.")
         self.config = config if config is not None else LayerwiseConfig(owner=name)
         self._env = env
-        self.name = name
+        self._name = name
         self.module: Optional[torch.nn.Module] = None
         """The module being trained, not wrapped (kept after :meth:`release`)."""
         self.optimizers: list[Optimizer] = []
@@ -184,27 +280,23 @@ class LayerwiseSession:
         self.groups: Optional[ProcessGroups] = None
         """This run's process groups (``None`` before :meth:`wrap` and after :meth:`release`)."""
         self.masters: Optional[MasterWeights] = None
-        self.master_weights = False  # whether the precision keeps float32 masters (bf16-true, 16-true)
+        self._master_weights = False  # whether the precision keeps float32 masters (bf16-true, 16-true)
         self.sync_after_step = False
         """Complete the all-gather inside each step (a compiled model, or readers between steps)."""
-        self.skipped_steps = 0
-        """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
-        self.steps = 0  # optimizer steps since wrapping, for replica_check_every
+        self.steps = StepCount(self, name)
+        """The optimizer steps taken since wrapping and those skipped for non-finite gradients."""
         self.replans = 0
         """How often the layout was planned again since wrapping (Note [re-planning])."""
-        self.checkpoints = SessionCheckpoints(self)
+        self.checkpoints = SessionCheckpoints(self, name)
         """This run's checkpoints: names, ownership, the formats, save and restore."""
+        self.reads = SessionReads(self, ReadRules(
+            steps="the forward of the model that session.wrap returned",
+            whole_again="After session.release() the module holds every parameter again."))
+        """Reads of sharded parameters outside the forward: their wording, the hook and local contexts, failures."""
         self._elementwise = True  # wrap(elementwise=...): whether re-planning may split parameters again
         self._expert: Optional[Callable[[str, torch.nn.Parameter], bool]] = None  # which parameters are experts
         self._group_counts: list[int] = []  # param groups per optimizer when they last got their pieces
         self._gradient_utilities = None  # the hold on the patched gradient utilities, from wrap to release
-        self.read_rules = ReadRules(steps="the forward of the model that session.wrap returned",
-                                    whole_again="After session.release() the module holds every parameter again.")
-        """How errors about reads of sharded parameters name this front end's steps (the adapters set theirs)."""
-        self.failure: Optional[str] = None
-        """Another rank's read error, posted before a failed run was released (Note [failing together])."""
-        self._board: Optional[FailureBoard] = None  # with sharded parameters: Note [failing together]
-        self._agreement: Optional[ReadAgreement] = None  # Note [collective reads]
 
     # --- the environment ---------------------------------------------------------------------------------------------
     @property
@@ -216,10 +308,6 @@ class LayerwiseSession:
     @env.setter
     def env(self, env: SessionEnv) -> None:
         self._env = env
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.env.rank == 0
 
     @property
     def expert_parallel_rank(self) -> int:
@@ -238,15 +326,16 @@ class LayerwiseSession:
         the precision keeps half-precision parameters (``bf16-true``/``16-true``); the optimizers then step
         float32 masters of what this rank owns."""
         optimizers = [optimizers] if isinstance(optimizers, Optimizer) else list(optimizers)
-        self.module, self.optimizers, self.master_weights = module, optimizers, master_weights
-        self.checkpoints.released_ownership = None
-        self.masters, self.failure = None, None
+        self.module, self.optimizers, self._master_weights = module, optimizers, master_weights
+        self.checkpoints.module, self.checkpoints.released_ownership = module, None
+        self.masters, self.reads.failure = None, None
         reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
         self._elementwise = elementwise
         predicate = self._elementwise_predicate() if elementwise else None
         experts = self._expert_names()
         E = self.config.expert_parallel_size
-        self.checkpoints.expert_map = expert_key_map(module, self.expert_parallel_rank) if E > 1 else {}
+        local_to_global = expert_key_map(module, self.expert_parallel_rank) if E > 1 else {}
+        self.checkpoints.global_names = GlobalNames(local_to_global)
         expert = (lambda name, p: name in experts) if experts else None
         specs = layout_specs(module, elementwise=predicate, expert=expert)
         owner_size, layout = self._plan(specs, expert is not None)
@@ -267,10 +356,7 @@ class LayerwiseSession:
                 group["params"] = [replaced.get(id(p), p) for p in group["params"]]
         self.wrapper.on_new_trainable = self._replan
         self.wrapper.ended_by = self.release  # llw.release(module) ends the run: groups, board and all
-        if self.wrapper.shard_parameters:  # collective, as the wrapping: every rank opens the same run's board
-            self._board = FailureBoard.open()
-            self._agreement = ReadAgreement.create(self._board, self.env.timeout)
-        self._attach_reads()
+        self.reads.open(self.env.timeout)
         if self._gradient_utilities is None:  # torch's clipping sees the global norm while wrapped
             self._gradient_utilities = gradient_utilities()
         self._expert = expert
@@ -280,13 +366,13 @@ class LayerwiseSession:
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """An optimizer made after :meth:`wrap` (its parameters are owned whole: the layout is fixed)."""
         if self.wrapper is None:
-            raise RuntimeError(f"{self.name}: wrap the module before adding an optimizer.")
+            raise RuntimeError(f"{self._name}: wrap the module before adding an optimizer.")
         self.optimizers.append(optimizer)
         self._after_optimizers()
 
     def _after_optimizers(self) -> None:
         """Master weights (made once, put in every optimizer) and checkpoint names."""
-        self.steps = 0
+        self.steps.taken = 0
         self._use_stepped_tensors()
 
     def _use_stepped_tensors(self) -> None:
@@ -295,9 +381,9 @@ class LayerwiseSession:
         if self.wrapper is not None:
             for optimizer in self.optimizers:
                 self.wrapper.use_shards_in(optimizer)
-        if self.master_weights and self.optimizers and self.wrapper is not None:
+        if self._master_weights and self.optimizers and self.wrapper is not None:
             if self.masters is None:
-                self.masters = MasterWeights(self.wrapper, self.checkpoints.global_name)
+                self.masters = MasterWeights(self.wrapper, self.checkpoints.global_names.__getitem__)
             for optimizer in self.optimizers:
                 self.masters.use_in(optimizer)
         self.checkpoints.refresh_names()
@@ -313,42 +399,28 @@ class LayerwiseSession:
         wrapper.param_sync.finish()
         if wrapper.grad_sync.grads_pending:
             raise RuntimeError(
-                f"{self.name}: parameters {names[:5]} became trainable while gradients were accumulating inside "
+                f"{self._name}: parameters {names[:5]} became trainable while gradients were accumulating inside "
                 "no_sync. Change requires_grad between optimizer steps (after the step, before the next "
                 "step's first backward).")
-        self.env.info(f"{self.name}: {len(names)} parameter(s) became trainable ({', '.join(names[:3])}"
+        self.env.info(f"{self._name}: {len(names)} parameter(s) became trainable ({', '.join(names[:3])}"
                       f"{', ...' if len(names) > 3 else ''}); the layout is planned again for them.")
         states = [to_cpu(self.checkpoints.full_optimizer_state(optimizer)) for optimizer in self.optimizers]
         states = self.env.broadcast(states)  # rank 0 holds the gathered state; every rank keeps what it steps
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
-                group["params"] = [self.model_parameter(t) for t in group["params"]]
+                group["params"] = [model_parameter(wrapper, t) for t in group["params"]]
             optimizer.state.clear()
         predicate = self._elementwise_predicate() if self._elementwise else None
         specs = layout_specs(self.module, elementwise=predicate, expert=self._expert)
         layout = self._plan_for_groups(specs, self._expert is not None)
-        steps, self.masters = self.steps, None
+        taken, self.masters = self.steps.taken, None
         wrapper.rebuild(layout, elementwise=predicate)
-        self._attach_reads()
+        self.reads.attach()
         self.replans += 1
         self._use_stepped_tensors()
-        self.steps = steps
+        self.steps.taken = taken
         if self.optimizers:
             self.checkpoints.load_optimizer_states(self.optimizers, states)
-
-    def stepped_tensor(self, param: torch.nn.Parameter) -> torch.Tensor:
-        """What the optimizers hold for the model parameter ``param`` on this rank: its piece, its float32
-        master, or ``param`` itself."""
-        wrapper = self.wrapper
-        if wrapper is None:
-            return param
-        shard = wrapper.grad_sync.piece_of(param)
-        tensor = param if shard is None else shard
-        return self.masters.stepped(tensor) if self.masters is not None else tensor
-
-    def model_parameter(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The model parameter an optimizer's tensor stands for (inverse of :meth:`stepped_tensor`)."""
-        return tensor if self.wrapper is None else _model_parameter(self.wrapper, tensor)
 
     def _plan_for_groups(self, specs, has_experts: bool) -> Layout:
         """A layout for the process groups this run already has (the same owner and expert group sizes)."""
@@ -373,7 +445,7 @@ class LayerwiseSession:
         g, layout = world, None
         if c.owner_group_size not in (None, "auto"):
             if world % c.owner_group_size:
-                raise ValueError(f"{self.name}(owner_group_size={c.owner_group_size}) does not divide the {world} "
+                raise ValueError(f"{self._name}(owner_group_size={c.owner_group_size}) does not divide the {world} "
                                  f"ranks of this run; pass a divisor of {world} (e.g. the GPUs per node), 'auto' or "
                                  "None.")
             g = c.owner_group_size
@@ -384,7 +456,7 @@ class LayerwiseSession:
                 grad_bytes=grad_dtype.itemsize if grad_dtype is not None else None, expert_dp_size=expert_dp_size,
                 follow_layers=c.shard_parameters)
             if g != world:
-                self.env.info(f"{self.name}: owner groups of {g} ranks (owner_group_size='auto'; {world // g} "
+                self.env.info(f"{self._name}: owner groups of {g} ranks (owner_group_size='auto'; {world // g} "
                               "groups).")
         if layout is None and specs:  # no parameter to train: the wrapper says so
             ge = (choose_expert_group_size(specs, expert_dp_size, c.planned_bucket_size) if expert_dp_size is not None
@@ -397,7 +469,7 @@ class LayerwiseSession:
     def _check_expert_parallel_size(self) -> None:
         E, world = self.config.expert_parallel_size, self.env.world_size
         if world % E:
-            raise ValueError(f"{self.name}(expert_parallel_size={E}) does not divide the {world} ranks of this run; "
+            raise ValueError(f"{self._name}(expert_parallel_size={E}) does not divide the {world} ranks of this run; "
                              f"pass a divisor of {world}.")
 
     def _expert_names(self) -> frozenset:
@@ -415,7 +487,7 @@ class LayerwiseSession:
             error = str(e)
         names = expert_parameter_names(module)
         if error is None and E > 1 and not names:
-            error = (f"{self.name}(expert_parallel_size={E}) but the model marks no experts: put each MoE layer's "
+            error = (f"{self._name}(expert_parallel_size={E}) but the model marks no experts: put each MoE layer's "
                      "local experts in a container marked with lightning_layerwise.mark_experts.")
         # A digest of the marked names, not the names: thousands of experts on a thousand ranks would
         # otherwise gather megabytes per rank (on NCCL, in GPU memory).
@@ -451,7 +523,7 @@ class LayerwiseSession:
         if self.config.grad_reduce_dtype is not None:
             return DTYPES[self.config.grad_reduce_dtype]
         # bf16-true / 16-true: reduce and keep gradients in float32 for the float32 master weights.
-        return torch.float32 if self.master_weights else None
+        return torch.float32 if self._master_weights else None
 
     # --- steps -------------------------------------------------------------------------------------------------------
     def before_backward(self) -> None:
@@ -501,51 +573,19 @@ class LayerwiseSession:
             stepped = [t for g in optimizer.param_groups for t in g["params"]]
         wrapper.start_param_sync(force_sync=self.sync_after_step or self._compiled_needs_sync(wrapper),
                                  tensors=stepped)
-        self.steps += 1
+        self.steps.taken += 1
         every = self.config.replica_check_every
-        if every is not None and self.steps % every == 0:
+        if every is not None and self.steps.taken % every == 0:
             wrapper.check_replicas()
 
     def step(self, optimizer: Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """:meth:`before_step`, ``optimizer.step()`` unless :meth:`skip_step` skips it, :meth:`after_step`."""
+        """:meth:`before_step`, ``optimizer.step()`` unless :meth:`StepCount.skip` skips it, :meth:`after_step`."""
         self.before_step()
-        if self.skip_step():
+        if self.steps.skip():
             return None
         output = optimizer.step() if closure is None else optimizer.step(closure)
         self.after_step(optimizer)
         return output
-
-    def grads_finite(self) -> bool:
-        """Whether every rank's reduced gradients are finite (one all-reduce; ``True`` when not wrapped)."""
-        return self.wrapper is None or self.wrapper.grad_sync.grads_are_finite()
-
-    def skip_step(self, step: Any = None) -> bool:
-        """With ``skip_nonfinite_steps``: whether this step is skipped on every rank (then noted); collective."""
-        if not self.config.skip_nonfinite_steps or self.wrapper is None or self.grads_finite():
-            return False
-        self.note_skipped_step(self.steps if step is None else step)
-        return True
-
-    def note_skipped_step(self, step: Any = None) -> None:
-        self.skipped_steps += 1
-        where = f" at step {step}" if step is not None else ""
-        self.env.warn(f"{self.name}(skip_nonfinite_steps=True): gradients hold inf or NaN{where}; the optimizer "
-                      f"step is skipped on every rank ({self.skipped_steps} skipped so far, strategy.skipped_steps).")
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                       parameters: Optional[Sequence[torch.Tensor]] = None) -> torch.Tensor:
-        """Clips by the norm of the full gradient (one all-reduce over the owned shards); returns that norm."""
-        return clip_grad_norm_(self._live_wrapper("gradient clipping"), max_norm, norm_type=norm_type,
-                               error_if_nonfinite=error_if_nonfinite, parameters=parameters)
-
-    def clip_grad_value(self, clip_val: float, parameters: Optional[Sequence[torch.Tensor]] = None) -> None:
-        clip_grad_value_(self._live_wrapper("gradient clipping"), clip_val, parameters=parameters)
-
-    def _live_wrapper(self, what: str) -> LayerwiseDataParallel:
-        if self.wrapper is None:
-            raise RuntimeError(f"{what} under strategy='layerwise' needs the model wrapped for fitting (setup has "
-                               "not run, or teardown already has).")
-        return self.wrapper
 
     def _compiled_needs_sync(self, wrapper: LayerwiseDataParallel) -> bool:
         """The wrapper itself ran compiled (Note [compiled wrapper] in ``engine/data_parallel.py``): under ``"auto"``,
@@ -554,7 +594,7 @@ class LayerwiseSession:
         if not wrapper.compiled_forward or overlap is False:
             return False
         if overlap is True:
-            raise ValueError(f"{self.name}(overlap_param_gather=True) with a model compiled around the strategy's "
+            raise ValueError(f"{self._name}(overlap_param_gather=True) with a model compiled around the strategy's "
                              "wrapper (fabric.setup of a torch.compile'd model): a graph traced while no all-gather "
                              "was in flight would not wait for one. Use overlap_param_gather='auto' (the all-gather "
                              "then completes inside each step) or False.")
@@ -565,97 +605,26 @@ class LayerwiseSession:
         if self.wrapper is not None:
             self.wrapper.param_sync.finish()
 
-    def full_parameters(self):
-        """A context inside which every parameter is whole on this rank (collective with sharded parameters;
-        :meth:`LayerwiseDataParallel.full_parameters`)."""
-        if self.wrapper is None:
-            return contextlib.nullcontext()
-        return self.wrapper.full_parameters()
-
-    # --- reads of sharded parameters (Note [sharded reads] in engine/sharded.py) --------------------------------------
-    def _attach_reads(self) -> None:
-        """The wrapper's parameter side learns this front end's words, the agreement and the board."""
-        param_sync = self.wrapper.param_sync
-        if isinstance(param_sync, ShardedParameterSync):
-            param_sync.reads.rules, param_sync.reads.agreement = self.read_rules, self._agreement
-            param_sync.waiter.board = self._board
-
-    def hook_reads(self, where: str):
-        """A context for a hook every rank runs in the same order (``where``: its name): reads of sharded
-        parameters inside gather on demand, as collectives (Note [collective reads] in
-        ``engine/collective_reads.py``); without sharded parameters, nothing."""
-        param_sync = self.wrapper.param_sync if self.wrapper is not None else None
-        if isinstance(param_sync, ShardedParameterSync):
-            return param_sync.hook_reads(where)
-        return contextlib.nullcontext()
-
-    def local_reads(self):
-        """A context for this rank's own reads (the optimizer's step inside a hook): nothing gathers on demand."""
-        param_sync = self.wrapper.param_sync if self.wrapper is not None else None
-        if isinstance(param_sync, ShardedParameterSync):
-            return param_sync.reads.local()
-        return contextlib.nullcontext()
-
-    def module_state_dict(self, module: Optional[torch.nn.Module] = None) -> dict[str, Any]:
-        """``module.state_dict()`` (default: the trained module) with every parameter current and whole; with
-        sharded parameters gathered for it and copied (collective)."""
-        module = module if module is not None else self.module
-        self.sync_parameters()
-        wrapper = self.wrapper
-        if wrapper is None or not wrapper.shard_parameters or module is not self.module:
-            return module.state_dict()
-        return self._sharded_state_dict(module, wrapper)
-
-    def _sharded_state_dict(self, module: torch.nn.Module, wrapper: LayerwiseDataParallel) -> dict[str, Any]:
-        """Note [sharded saves]: the entries this rank writes in the save format, with at most one bucket full at a
-        time. A sharded directory: the parameters this rank steps whole, read from its shard, and the split
-        parameters whose first piece it steps, from their buckets gathered one by one; rank 0 also the buffers and
-        frozen parameters. A full file: rank 0 every entry, every bucket gathered in turn; the other ranks take
-        part in the gathers and keep nothing."""
-        live = module.state_dict(keep_vars=True)  # the tensors themselves: nothing is read
-        if self.checkpoints.save_format.name == "sharded":
-            ownership = self.checkpoints.ownership()
-            wanted = {k for k, t in live.items() if ownership.writes(t)}
-            buckets = wrapper.param_sync.split_buckets
-        else:
-            wanted = set(live) if self.is_global_zero else set()
-            buckets = wrapper.param_sync.gather_order
-        keys_of: dict[int, list[str]] = {}
-        for key, tensor in live.items():
-            keys_of.setdefault(id(tensor), []).append(key)
-        state: dict[str, Any] = {}
-        for bucket in buckets:
-            with wrapper.param_sync.held([bucket]):
-                for p in bucket.params:
-                    for key in keys_of.get(id(p), ()):
-                        if key in wanted:
-                            state[key] = p.detach().clone()  # the full buffer is freed next
-        for key, tensor in live.items():
-            if key in wanted and key not in state:  # a shard, a buffer, a frozen parameter: held here
-                state[key] = tensor.detach() if torch.is_tensor(tensor) else tensor
-        return {k: state[k] for k in live if k in state}
-
     # --- checkpoints -------------------------------------------------------------------------------------------------
-    def ownership(self):
-        """What this rank writes and reads of a checkpoint (:meth:`SessionCheckpoints.ownership`)."""
-        return self.checkpoints.ownership()
-
     def save_checkpoint(self, path: Any, **extra: Any) -> None:
         """A plain loop's checkpoint: the model, every optimizer and ``extra`` (e.g. ``step=100``), in
         ``checkpoint_format`` (collective). The keys are the Trainer's (``state_dict``, ``optimizer_states``),
         so a full file opens with ``torch.load(path)["state_dict"]``."""
+        checkpoints = self.checkpoints
         target = self.env.broadcast(str(path))
-        self.checkpoints.check_save(target, None, f"{self.name}.save_checkpoint", has_model=self.module is not None)
-        model_state = self.module_state_dict()
-        optimizer_states = [self.checkpoints.optimizer_state(optimizer) for optimizer in self.optimizers]
+        checkpoints.check_save(target, None, f"{self._name}.save_checkpoint", has_model=self.module is not None)
+        model_state = checkpoints.module_state_dict()
+        optimizer_states = [checkpoints.save_format.optimizer_state(checkpoints, optimizer)
+                            for optimizer in self.optimizers]
         whole = {"state_dict": model_state, "optimizer_states": optimizer_states, **extra}
-        self.checkpoints.save(target, Checkpoint(whole, model_state, optimizer_states, dict(extra)))
+        checkpoints.save_format.save(checkpoints, target, Checkpoint(whole, model_state, optimizer_states, dict(extra)),
+                                     TorchFileIO(), None)
 
     def load_checkpoint(self, path: Any, strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Restores what :meth:`save_checkpoint` wrote, in either format and at any world size, into the wrapped
         module and its optimizers (collective); returns the ``extra`` values."""
         if self.module is None:
-            raise RuntimeError(f"{self.name}: wrap the module before loading a checkpoint into it.")
+            raise RuntimeError(f"{self._name}: wrap the module before loading a checkpoint into it.")
         rest = self.checkpoints.restore(
             self.checkpoints.resolve_path(path), module_key="state_dict", optimizers=self.optimizers,
             load_module=lambda state: self.checkpoints.load_model_state(state, strict=strict), strict=strict,
@@ -682,8 +651,8 @@ class LayerwiseSession:
         module = None
         if wrapper is not None:
             self.checkpoints.release()
-            if failing and self._board is not None:
-                self.failure = self._board.unseen()  # for the adapter to raise in place of a closed connection
+            if failing:
+                self.reads.post_failure()  # for the adapter to raise in place of a closed connection
             try:
                 module = wrapper.release(wait=not (failing and wrapper.shard_parameters), whole=whole)
             except Exception:
@@ -700,13 +669,11 @@ class LayerwiseSession:
             # reaches interpreter exit (where a live one can abort the process).
             try:
                 self.groups.destroy()
-                if self._agreement is not None:
-                    self._agreement.destroy()
+                self.reads.close()
             except Exception:
                 if not failing:
                     raise
             self.groups = None
-        self._board = self._agreement = None
         return module
 
 
@@ -732,7 +699,19 @@ def is_compiled(module) -> bool:
     return optimized is not None and any(isinstance(m, optimized) for m in module.modules())
 
 
-def _model_parameter(wrapper: LayerwiseDataParallel, tensor: torch.Tensor) -> torch.Tensor:
-    """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself."""
-    param = wrapper.grad_sync.layout_parameter_of(tensor)
+def stepped_tensor(wrapper: Optional[LayerwiseDataParallel], masters: Optional[MasterWeights],
+                   param: torch.nn.Parameter) -> torch.Tensor:
+    """What the optimizers hold for the model parameter ``param`` on this rank: its piece, its float32 master, or
+    ``param`` itself (``wrapper``, ``masters``: a session's)."""
+    if wrapper is None:
+        return param
+    shard = wrapper.grad_sync.piece_of(param)
+    tensor = param if shard is None else shard
+    return masters.stepped(tensor) if masters is not None else tensor
+
+
+def model_parameter(wrapper: Optional[LayerwiseDataParallel], tensor: torch.Tensor) -> torch.Tensor:
+    """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself (inverse of
+    :func:`stepped_tensor`)."""
+    param = None if wrapper is None else wrapper.grad_sync.layout_parameter_of(tensor)
     return tensor if param is None else param

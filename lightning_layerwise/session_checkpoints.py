@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from .checkpoint.files import TorchFileIO, is_local_path, resolve
-from .checkpoint.formats import FORMATS, Checkpoint, CheckpointFormat, CheckpointHost, Loaded, format_on_disk
+from .checkpoint.formats import FORMATS, CheckpointFormat, CheckpointHost, Loaded, format_on_disk
 from .checkpoint.named_state import local_optimizer_state, named_optimizer_state
 from .checkpoint.ownership import CheckpointError, Ownership
 from .experts import expert_key_predicate, grouped_expert_paths
@@ -36,77 +36,83 @@ class CheckpointedSession(Protocol):
     """What :class:`SessionCheckpoints` reads of the :class:`~lightning_layerwise.LayerwiseSession` it serves
     (described here, not imported: ``session.py`` imports this module)."""
 
-    name: str
-    module: Optional[nn.Module]
     config: Any
     """The session's ``LayerwiseConfig``."""
     env: Any
     """The session's ``SessionEnv``."""
     wrapper: Optional[LayerwiseDataParallel]
     masters: Optional[MasterWeights]
-
-    @property
-    def is_global_zero(self) -> bool: ...
+    groups: Any
+    """The session's ``ProcessGroups`` (``None`` when not wrapped)."""
 
     def sync_parameters(self) -> None: ...
 
 
-class SessionCheckpoints:
-    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a :class:`CheckpointHost`."""
+class GlobalNames(dict):
+    """Local -> global expert names (Note [expert checkpoints] in ``checkpoint/ownership.py``); a key of no expert
+    is its own global name."""
 
-    def __init__(self, session: CheckpointedSession) -> None:
-        self.session = session
-        self.names: dict[torch.Tensor, str] = {}
-        """Parameter (piece, master) -> checkpoint name; kept by the session's release."""
-        self.expert_map: dict[str, str] = {}
-        """Local -> global expert names (Note [expert checkpoints] in ``checkpoint/ownership.py``)."""
+    def __missing__(self, key: str) -> str:
+        return key
+
+
+class SessionCheckpoints:
+    """Checkpoints of one :class:`~lightning_layerwise.LayerwiseSession`: a :class:`CheckpointHost`.
+
+    Args:
+        session: the session whose wrapper, masters and optimizers are saved and restored.
+        name: what errors call the settings' owner (the strategy class, ``LayerwiseSession``).
+    """
+
+    def __init__(self, session: CheckpointedSession, name: str) -> None:
+        self._session = session
+        self.name = name
+        self.module: Optional[nn.Module] = None
+        """The module checkpoints save and load into: the session's trained module (the Trainer's module in an
+        evaluation stage)."""
+        self.global_names = GlobalNames()
+        """Each ``state_dict`` key's name in checkpoints: experts under their global names."""
         self.released_ownership: Optional[Ownership] = None
-        """The last layout's ownership, kept by the session's release (the optimizer still steps its pieces)."""
+        """The last layout's ownership, kept by :meth:`release` (the optimizer still steps its pieces)."""
+        self._names: dict[torch.Tensor, str] = {}  # parameter (piece, master) -> checkpoint name; kept by release
 
     # --- the host ----------------------------------------------------------------------------------------------------
     @property
-    def name(self) -> str:
-        return self.session.name
-
-    @property
-    def module(self) -> Optional[nn.Module]:
-        return self.session.module
-
-    @property
     def is_global_zero(self) -> bool:
-        return self.session.is_global_zero
+        return self._session.env.rank == 0
 
     @property
     def checkpoint_format(self) -> str:
-        return self.session.config.checkpoint_format
+        return self._session.config.checkpoint_format
 
     @property
     def expert_parallel_size(self) -> int:
-        return self.session.config.expert_parallel_size
+        return self._session.config.expert_parallel_size
 
     def ownership(self) -> Ownership:
         """What this rank writes and reads of a checkpoint (Note [checkpoint ownership] in
         ``checkpoint/ownership.py``)."""
-        s = self.session
+        s = self._session
         if s.wrapper is None and self.released_ownership is not None:
             # After training: the optimizer still steps the pieces of the released layout.
             return self.released_ownership
-        names = self.names or self.refresh_names()
+        names = self._names or self.refresh_names()
         masters = [m for _, m in s.masters.pairs] if s.masters is not None else []
-        tensors = s.module.state_dict(keep_vars=True)
+        tensors = self.module.state_dict(keep_vars=True)
         in_layout = set() if s.wrapper is None else set(s.wrapper.param_sync.names)
-        expert_outside = [t for k, t in tensors.items() if k in self.expert_map and t not in in_layout]
-        return Ownership.of(s.wrapper, names, s.is_global_zero, masters, self.global_name, expert_outside)
+        expert_outside = [t for k, t in tensors.items() if k in self.global_names and t not in in_layout]
+        return Ownership.of(s.wrapper, names, self.is_global_zero, masters, self.global_names.__getitem__,
+                            expert_outside)
 
     def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` (this rank's module) with expert keys under their global names."""
-        return {self.global_name(k): v for k, v in state_dict.items()} if self.expert_map else state_dict
+        return {self.global_names[k]: v for k, v in state_dict.items()} if self.global_names else state_dict
 
     def named_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's part of ``optimizer``'s state, keyed by checkpoint name, with its masters."""
-        named = named_optimizer_state(optimizer, self.names or self.refresh_names())
-        if self.session.masters is not None:
-            named["master_weights"] = self.session.masters.state_dict(optimizer)
+        named = named_optimizer_state(optimizer, self._names or self.refresh_names())
+        if self._session.masters is not None:
+            named["master_weights"] = self._session.masters.state_dict(optimizer)
         return named
 
     @contextlib.contextmanager
@@ -115,7 +121,7 @@ class SessionCheckpoints:
         try:
             yield
         except (Exception, CheckpointException) as error:
-            env = self.session.env
+            env = self._session.env
             raise CheckpointError(
                 f"{phase} failed on rank {env.rank} of {env.world_size} ({type(error).__name__}: "
                 f"{str(error)[:300]}). If another rank died or hung, its log has the first error. The previous "
@@ -123,38 +129,33 @@ class SessionCheckpoints:
 
     def layout_meta(self) -> dict[str, Any]:
         """What a sharded checkpoint records of the layout it was written under."""
-        s = self.session
+        s = self._session
         return {"world_size": s.env.world_size, "bucket_size": s.config.bucket_size,
                 "owner_group_size": s.groups.owner_size if s.groups else s.env.world_size,
                 "expert_parallel_size": s.config.expert_parallel_size}
 
     def after_model_load(self) -> None:
         """Every rank holds the loaded parameters, and the masters equal them."""
-        if self.session.wrapper is not None:
-            self.session.wrapper.start_param_sync(force_sync=True)
-        if self.session.masters is not None:
-            self.session.masters.refresh()
+        if self._session.wrapper is not None:
+            self._session.wrapper.start_param_sync(force_sync=True)
+        if self._session.masters is not None:
+            self._session.masters.refresh()
 
     # --- names -------------------------------------------------------------------------------------------------------
-    def global_name(self, key: str) -> str:
-        """A parameter's or state-dict key's name in checkpoints (Note [expert checkpoints] in
-        ``checkpoint/ownership.py``)."""
-        return self.expert_map.get(key, key)
-
     def refresh_names(self) -> dict[torch.Tensor, str]:
         """Every parameter (its piece, its float32 master) by the name checkpoints use for it; kept."""
-        s = self.session
-        names: dict[torch.Tensor, str] = {p: n for n, p in s.module.named_parameters()}
+        s = self._session
+        names: dict[torch.Tensor, str] = {p: n for n, p in self.module.named_parameters()}
         if s.wrapper is not None:
             names.update((shard, n) for n, shard in s.wrapper.named_owned_parameters())
         if s.masters is not None:
             names.update(s.masters.names)
-        self.names = {t: self.global_name(n) for t, n in names.items()} if self.expert_map else names
-        return self.names
+        self._names = {t: self.global_names[n] for t, n in names.items()} if self.global_names else names
+        return self._names
 
     def _pieces(self) -> dict[torch.Tensor, tuple[Any, tuple[int, ...]]]:
         """This rank's piece of each split parameter: ``{piece parameter: (Piece, full shape)}``."""
-        wrapper, masters = self.session.wrapper, self.session.masters
+        wrapper, masters = self._session.wrapper, self._session.masters
         if wrapper is None:
             return {}
         pieces = {shard: (wrapper.grad_sync.unit_of(shard).piece, tuple(p.shape))
@@ -166,13 +167,11 @@ class SessionCheckpoints:
     # --- saving ------------------------------------------------------------------------------------------------------
     @property
     def save_format(self) -> CheckpointFormat:
-        """The format :meth:`save` writes now (``checkpoint_format``; ``"auto"`` decides by the model's size)."""
+        """The format a save writes now (``checkpoint_format``; ``"auto"`` decides by the model's size). Its
+        ``optimizer_state(checkpoints, optimizer)`` gives an optimizer's state keyed by parameter name as it writes
+        it (Note [checkpoint keys] in ``checkpoint/named_state.py``; may be collective), its
+        ``save(checkpoints, target, checkpoint, file_io, storage_options)`` writes (collective)."""
         return FORMATS[self.checkpoint_format].resolve(self)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """``optimizer``'s state keyed by parameter name, as :attr:`save_format` writes it (Note [checkpoint keys]
-        in ``checkpoint/named_state.py``); may be collective."""
-        return self.save_format.optimizer_state(self, optimizer)
 
     def full_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer``'s whole state on every rank's host memory, as a full file holds it (collective)."""
@@ -199,16 +198,50 @@ class SessionCheckpoints:
                 "across expert-parallel sizes) and `python -m lightning_layerwise consolidate` for one file.")
         fmt.check_save(self, target, storage_options, call, has_model)
 
-    def save(self, target: str, checkpoint: Checkpoint, file_io: Any = None, storage_options: Any = None) -> None:
-        """Writes ``checkpoint`` to ``target`` (rank 0's path) in :attr:`save_format` (collective)."""
-        self.save_format.save(self, target, checkpoint, file_io if file_io is not None else TorchFileIO(),
-                              storage_options)
+    def module_state_dict(self, module: Optional[nn.Module] = None) -> dict[str, Any]:
+        """``module.state_dict()`` (default: :attr:`module`) with every parameter current and whole; with sharded
+        parameters gathered for it and copied (collective)."""
+        module = module if module is not None else self.module
+        self._session.sync_parameters()
+        wrapper = self._session.wrapper
+        if wrapper is None or not wrapper.shard_parameters or module is not self.module:
+            return module.state_dict()
+        return self._sharded_state_dict(module, wrapper)
+
+    def _sharded_state_dict(self, module: nn.Module, wrapper: LayerwiseDataParallel) -> dict[str, Any]:
+        """Note [sharded saves] in ``session.py``: the entries this rank writes in the save format, with at most one
+        bucket full at a time. A sharded directory: the parameters this rank steps whole, read from its shard, and
+        the split parameters whose first piece it steps, from their buckets gathered one by one; rank 0 also the
+        buffers and frozen parameters. A full file: rank 0 every entry, every bucket gathered in turn; the other
+        ranks take part in the gathers and keep nothing."""
+        live = module.state_dict(keep_vars=True)  # the tensors themselves: nothing is read
+        if self.save_format.name == "sharded":
+            ownership = self.ownership()
+            wanted = {k for k, t in live.items() if ownership.writes(t)}
+            buckets = wrapper.param_sync.split_buckets
+        else:
+            wanted = set(live) if self.is_global_zero else set()
+            buckets = wrapper.param_sync.gather_order
+        keys_of: dict[int, list[str]] = {}
+        for key, tensor in live.items():
+            keys_of.setdefault(id(tensor), []).append(key)
+        state: dict[str, Any] = {}
+        for bucket in buckets:
+            with wrapper.param_sync.held([bucket]):
+                for p in bucket.params:
+                    for key in keys_of.get(id(p), ()):
+                        if key in wanted:
+                            state[key] = p.detach().clone()  # the full buffer is freed next
+        for key, tensor in live.items():
+            if key in wanted and key not in state:  # a shard, a buffer, a frozen parameter: held here
+                state[key] = tensor.detach() if torch.is_tensor(tensor) else tensor
+        return {k: state[k] for k in live if k in state}
 
     # --- reading -----------------------------------------------------------------------------------------------------
     def resolve_path(self, checkpoint_path: Any) -> Union[Path, str]:
         """Rank 0's path; on a local filesystem, the previous checkpoint if a save replacing it was interrupted
         (Note [atomic save] in ``checkpoint/files.py``). A URL stays a string."""
-        env = self.session.env
+        env = self._session.env
         target = env.broadcast(str(checkpoint_path))
         if not is_local_path(target):
             return target
@@ -225,7 +258,7 @@ class SessionCheckpoints:
         With sharded parameters a sharded directory loads into the shards, and into the split parameters' buckets
         held full (Note [sharded saves] in ``session.py``)."""
         fmt = format_on_disk(path)
-        wrapper = self.session.wrapper
+        wrapper = self._session.wrapper
         held = contextlib.nullcontext()
         if fmt.name == "sharded" and wrapper is not None and wrapper.shard_parameters:
             held = wrapper.param_sync.held(wrapper.param_sync.split_buckets)
@@ -248,12 +281,12 @@ class SessionCheckpoints:
             raise CheckpointError(
                 f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is "
                 "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
-        wrapper = self.session.wrapper
+        wrapper = self._session.wrapper
         if wrapper is not None and wrapper.shard_parameters:
-            load_bucket_by_bucket(self.session.module, wrapper, state_dict, strict)
+            load_bucket_by_bucket(self.module, wrapper, state_dict, strict)
         else:
-            self.session.sync_parameters()
-            self.session.module.load_state_dict(state_dict, strict=strict)
+            self._session.sync_parameters()
+            self.module.load_state_dict(state_dict, strict=strict)
         self.after_model_load()
 
     def load_optimizer_states(self, optimizers: Sequence[Optimizer], states: Sequence[dict[str, Any]]) -> None:
@@ -261,13 +294,13 @@ class SessionCheckpoints:
         if len(states) != len(optimizers):
             raise CheckpointError(f"the checkpoint holds {len(states)} optimizer state(s) and the model "
                                   f"configures {len(optimizers)}.")
-        s = self.session
-        names = self.names or self.refresh_names()
+        s = self._session
+        names = self._names or self.refresh_names()
         keep = self.ownership().reads  # another rank steps the rest: state exists once in the world
         pieces = self._pieces()
         for optimizer, saved in zip(optimizers, states):
             local = local_optimizer_state(saved, optimizer, names, keep, pieces,
-                                          is_expert=expert_key_predicate(s.module))
+                                          is_expert=expert_key_predicate(self.module))
             local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off a memory-mapped file
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, s.env.device)

@@ -532,57 +532,57 @@ class _Packer:
 
     def __init__(self, queue: list[ParamSpec], group_size: int, bucket_size: int, costs: Mapping[str, float],
                  initial_cost: Sequence[float] | None, reserved: frozenset[str]) -> None:
-        self.queue = queue
-        self.group_size = group_size
-        self.bucket_size = bucket_size
-        self.costs = costs
-        self.reserved = reserved
-        self.position = {s.name: i for i, s in enumerate(queue)}
+        self._queue = queue
+        self._group_size = group_size
+        self._bucket_size = bucket_size
+        self._costs = costs
+        self._reserved = reserved
+        self._position = {s.name: i for i, s in enumerate(queue)}
         # Still to pack. Insertion order = backward order; ordered sets (dicts) per aligned
         # size make removal O(1), which keeps large models fast.
-        self.pending: dict[str, ParamSpec] = {s.name: s for s in queue}
-        self.by_size: dict[int, dict[str, None]] = defaultdict(dict)
-        self.spare: dict[int, dict[str, None]] = defaultdict(dict)  # the reserved ones, by size
+        self._pending: dict[str, ParamSpec] = {s.name: s for s in queue}
+        self._by_size: dict[int, dict[str, None]] = defaultdict(dict)
+        self._spare: dict[int, dict[str, None]] = defaultdict(dict)  # the reserved ones, by size
         for s in queue:
-            (self.spare if s.name in reserved else self.by_size)[aligned(s.numel)][s.name] = None
-        self.cursor = 0  # every parameter before queue[cursor] is packed
+            (self._spare if s.name in reserved else self._by_size)[aligned(s.numel)][s.name] = None
+        self._cursor = 0  # every parameter before queue[cursor] is packed
         # What the pass returns (see _Packing).
         self.rank_cost = [0.0] * group_size if initial_cost is None else list(initial_cost)
         self.placed: dict[str, tuple[int, int, int]] = {}  # name -> (bucket, offset, owner)
         self.gaps: dict[str, int] = {}
         self.buckets: list[BucketPlan] = []
         # The open bucket.
-        self.bucket_start = 0  # its offset in the buffer
-        self.shard_fill = 0  # elements used in each of its shards (equal across shards)
-        self.open_rounds: list[tuple[int, _Round]] = []  # (round length, contents per rank)
+        self._bucket_start = 0  # its offset in the buffer
+        self._shard_fill = 0  # elements used in each of its shards (equal across shards)
+        self._open_rounds: list[tuple[int, _Round]] = []  # (round length, contents per rank)
 
     # --- the queue ---------------------------------------------------------------------------------
     def take(self, name: str) -> ParamSpec:
         """Removes ``name`` from what is still to pack and returns its spec."""
-        spec = self.pending.pop(name)
+        spec = self._pending.pop(name)
         size = aligned(spec.numel)
-        self.by_size[size].pop(name, None)
-        self.spare[size].pop(name, None)
+        self._by_size[size].pop(name, None)
+        self._spare[size].pop(name, None)
         return spec
 
     def backward(self) -> Iterator[str]:
         """Names still to pack, in backward order; safe while the caller takes them.
 
-        On the first ``next``, moves ``cursor`` past the packed start of the queue.
+        On the first ``next``, moves ``_cursor`` past the packed start of the queue.
         """
-        queue, pending = self.queue, self.pending
-        cursor = self.cursor
+        queue, pending = self._queue, self._pending
+        cursor = self._cursor
         while cursor < len(queue) and queue[cursor].name not in pending:
             cursor += 1
-        self.cursor = cursor
+        self._cursor = cursor
         for i in range(cursor, len(queue)):
             if queue[i].name in pending:
                 yield queue[i].name
 
     def tail(self, after: int) -> list[str]:
         """Names still to pack after position ``after``, the end of the queue first."""
-        position = self.position
-        return [n for n in reversed(self.pending) if position[n] > after]
+        position = self._position
+        return [n for n in reversed(self._pending) if position[n] > after]
 
     # --- forming rounds ----------------------------------------------------------------------------
     def solo_rounds(self, solo: tuple[str, ...], tail_start: int) -> list[_Round]:
@@ -590,7 +590,7 @@ class _Packer:
         (after position ``tail_start``), where they will sit. See Note [tail gaps]."""
         tail_rounds = []
         for name in solo:
-            if name not in self.pending:  # already packed into an earlier solo round
+            if name not in self._pending:  # already packed into an earlier solo round
                 continue
             seed = self.take(name)
             contents = [[seed]]
@@ -601,7 +601,7 @@ class _Packer:
     def rounds(self, tail_rounds: list[_Round]) -> Iterator[_Round]:
         """Every round in buffer order: one per seed in backward order while parameters are
         left, then ``tail_rounds``, the first solo seed's last. See Note [backward order]."""
-        while self.pending:
+        while self._pending:
             yield self.seed_round()
         yield from reversed(tail_rounds)
 
@@ -613,13 +613,13 @@ class _Packer:
         size = aligned(seed.numel)
         # Peers: unreserved parameters of the seed's size; a reserved seed (one no earlier
         # round had room for) also takes reserved peers, first. See Note [leftovers].
-        pools = (self.spare[size], self.by_size[size]) if seed.name in self.reserved else (self.by_size[size],)
+        pools = (self._spare[size], self._by_size[size]) if seed.name in self._reserved else (self._by_size[size],)
         take = self.take
         for peers in pools:
-            for name in list(islice(peers, self.group_size - len(contents))):
+            for name in list(islice(peers, self._group_size - len(contents))):
                 contents.append([take(name)])
         # Shards without a peer: pack smaller parameters greedily, in backward order.
-        self.fill(seed, contents, self.backward, self.position[seed.name])
+        self.fill(seed, contents, self.backward, self._position[seed.name])
         return contents
 
     def fill(self, seed: ParamSpec, contents: _Round, candidates: Callable[[], Iterable[str]],
@@ -631,8 +631,8 @@ class _Packer:
         (:meth:`fill_reserved`); otherwise ``candidates`` do (:meth:`fill_greedy`).
         """
         length = aligned(seed.numel)
-        free = self.group_size - len(contents)
-        if self.reserved:
+        free = self._group_size - len(contents)
+        if self._reserved:
             shards, gap = self.fill_reserved(length, free, after)
         else:
             shards, gap = self.fill_greedy(length, free, candidates)
@@ -644,7 +644,7 @@ class _Packer:
         position ``after``: largest size class first, each class into the first shards with
         room. Returns the shards (each in backward order) and the padding they leave.
         See Note [leftovers]."""
-        position, spare, take = self.position, self.spare, self.take
+        position, spare, take = self._position, self._spare, self.take
         rooms = [length] * free
         shards: _Round = [[] for _ in range(free)]
         for size in sorted((z for z, names in spare.items() if names and z <= length), reverse=True):
@@ -666,7 +666,7 @@ class _Packer:
         """``free`` shards of ``length`` elements, each packed with the parameters that fit,
         in the order ``candidates()`` gives afresh for each shard. Returns the shards and the
         padding they leave. See Note [size matching]."""
-        pending, take = self.pending, self.take
+        pending, take = self._pending, self.take
         shards: _Round = []
         gap = 0
         for _ in range(free):
@@ -687,29 +687,29 @@ class _Packer:
         """Adds a round to the open bucket, its shards given to ranks by :func:`_assign_round`
         (Note [owner balancing]). A round that alone exceeds the bucket size gets a bucket of
         its own; a bucket closes once it reaches the bucket size."""
-        group_size, costs, rank_cost = self.group_size, self.costs, self.rank_cost
+        group_size, costs, rank_cost = self._group_size, self._costs, self.rank_cost
         length = aligned(contents[0][0].numel)  # the seed's
-        if length * group_size > self.bucket_size:
+        if length * group_size > self._bucket_size:
             self.close_bucket()  # the round alone exceeds the bucket size: a bucket of its own
-        assigned = _assign_round(length, contents, rank_cost, costs, self.position)
+        assigned = _assign_round(length, contents, rank_cost, costs, self._position)
         for rank, members in enumerate(assigned):
             rank_cost[rank] += sum(costs[s.name] for s in members)
-        self.open_rounds.append((length, assigned))
-        self.shard_fill += length
-        if self.shard_fill * group_size >= self.bucket_size:
+        self._open_rounds.append((length, assigned))
+        self._shard_fill += length
+        if self._shard_fill * group_size >= self._bucket_size:
             self.close_bucket()
 
     def close_bucket(self) -> None:
         """Makes the open rounds a bucket: rank ``r``'s shard holds shard ``r`` of each round,
         one round after the other, so every parameter lies inside its owner's shard
         (Note [shard alignment] in ``layout/plan.py``). Records each parameter's (bucket, offset, owner)."""
-        if not self.open_rounds:
+        if not self._open_rounds:
             return
         index = len(self.buckets)
-        start, shard_size, group_size, placed = self.bucket_start, self.shard_fill, self.group_size, self.placed
+        start, shard_size, group_size, placed = self._bucket_start, self._shard_fill, self._group_size, self.placed
         used = [0] * group_size  # elements used in each rank's shard
         names: list[tuple[int, str]] = []
-        for length, contents in self.open_rounds:
+        for length, contents in self._open_rounds:
             for rank, members in enumerate(contents):
                 offset = start + rank * shard_size + used[rank]
                 for spec in members:
@@ -719,7 +719,7 @@ class _Packer:
                 used[rank] += length
         end = start + group_size * shard_size
         self.buckets.append(BucketPlan(index, start, end, group_size, tuple(n for _, n in sorted(names))))
-        self.bucket_start, self.shard_fill, self.open_rounds = end, 0, []
+        self._bucket_start, self._shard_fill, self._open_rounds = end, 0, []
 
 
 def _assign_round(length: int, contents: list[list[ParamSpec]], rank_cost: Sequence[float],

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ..config import SETTINGS, LayerwiseConfig
+from ..engine.data_parallel import LayerwiseDataParallel
+from ..engine.process_groups import ProcessGroups
 from ..session import LayerwiseSession, SessionEnv
 
 STRATEGY_NAMES = (("layerwise", "popen"), ("layerwise_spawn", "spawn"), ("layerwise_fork", "fork"),
@@ -58,20 +60,20 @@ class CheckedAccelerator:
 
 
 class SessionAdapter(CheckedAccelerator):
-    """What a Lightning strategy holding a :class:`LayerwiseSession` (``self.session``) shows of it (mixin)."""
+    """What a Lightning strategy holding a :class:`LayerwiseSession` (``self.session``) shows of its run (mixin).
+
+    :attr:`wrapper` and :attr:`process_groups` are set as the session wraps and releases (through :meth:`_wrap`
+    and :meth:`_release`; ``llw.release(model)`` ends the run through :meth:`_release` too), and
+    :attr:`skipped_steps` each time the strategy asks whether to skip a step (:meth:`_skip_step`)."""
 
     session: LayerwiseSession
-
-    @property
-    def wrapper(self):
-        """The engine wrapping the trained module (``None`` before setup and after teardown)."""
-        return self.session.wrapper
-
-    @property
-    def process_groups(self):
-        """The process groups of this run (``None`` before setup and after teardown); an MoE layer exchanges
-        tokens over ``process_groups.expert_parallel``."""
-        return self.session.groups
+    wrapper: Optional[LayerwiseDataParallel] = None
+    """The engine wrapping the trained module (``None`` before setup and after teardown)."""
+    process_groups: Optional[ProcessGroups] = None
+    """The process groups of this run (``None`` before setup and after teardown); an MoE layer exchanges tokens
+    over ``process_groups.expert_parallel``."""
+    skipped_steps: int = 0
+    """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
 
     @property
     def expert_parallel_rank(self) -> int:
@@ -80,18 +82,32 @@ class SessionAdapter(CheckedAccelerator):
         self.session.env = session_env(self)
         return self.session.expert_parallel_rank
 
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
-        return self.session.skipped_steps
-
-    @property
-    def _masters(self):
-        return self.session.masters
-
     def sync_parameters(self) -> None:
         """Waits until every rank holds the current parameters (no collective if already synced)."""
-        self.session.sync_parameters()
+        if self.wrapper is not None:
+            self.wrapper.param_sync.finish()
+
+    def _wrap(self, module, optimizers, **options) -> LayerwiseDataParallel:
+        """``session.wrap``; the run is then this strategy's to show and to end."""
+        try:
+            wrapper = self.session.wrap(module, optimizers, **options)
+        finally:
+            self.wrapper, self.process_groups = self.session.wrapper, self.session.groups
+        wrapper.ended_by = self._release  # llw.release(module) ends the run through the strategy
+        return wrapper
+
+    def _release(self, whole: bool = True) -> None:
+        """``session.release(whole)``: the run ends, and the strategy no longer shows it."""
+        try:
+            self.session.release(whole)
+        finally:
+            self.wrapper, self.process_groups = self.session.wrapper, self.session.groups
+
+    def _skip_step(self, step=None) -> bool:
+        """``session.steps.skip(step)``, counted in :attr:`skipped_steps`."""
+        skipped = self.session.steps.skip(step)
+        self.skipped_steps = self.session.steps.skipped
+        return skipped
 
 
 def session_env(strategy) -> SessionEnv:
@@ -120,7 +136,7 @@ def release_at_exit(strategy) -> Callable[[], None]:
     def release() -> None:
         live = ref()
         if live is not None and live.session.wrapper is not None:
-            live.session.release(whole=False)
+            live._release(whole=False)
 
     atexit.register(release)
     return release

@@ -39,6 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ..config import config_from_options, named_arguments
+from ..engine.clip import clip_grad_norm_, clip_grad_value_
 from ..engine.data_parallel import LayerwiseDataParallel
 from ..engine.init_record import record_init
 from ..engine.materialize import has_meta_tensors
@@ -87,7 +88,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         own = named_arguments(LayerwiseFabricStrategy.__init__)  # offered too as the closest match of a typo
         start_session(self, config_from_options(type(self).__name__, options, own, timeout=timeout,
                                                 start_method=start_method))  # self.session: the run
-        self.session.read_rules = ReadRules(
+        self.session.reads.rules = ReadRules(
             steps="the forward of the model that fabric.setup returned",
             whole_again="llw.release(model) or fabric.strategy.teardown(), on every rank, gives the module every "
                         "parameter back whole.")
@@ -188,8 +189,8 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
     def _setup_wrapper(self, module: nn.Module, optimizers: list[Optimizer], elementwise: bool
                        ) -> LayerwiseDataParallel:
         self.session.env = session_env(self)
-        wrapper = self.session.wrap(module, optimizers, master_weights=isinstance(self.precision, HalfPrecision),
-                                    elementwise=elementwise)
+        wrapper = self._wrap(module, optimizers, master_weights=isinstance(self.precision, HalfPrecision),
+                             elementwise=elementwise)
         self._use_sharded_grad_scaler()
         self.session.sync_after_step = self._needs_sync_after_step(module)
         if self._exit_hook is None:
@@ -233,7 +234,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
             return super().optimizer_step(optimizer, **kwargs)
         self._check_stepping(optimizer, "optimizer.step()")
         session.before_step("optimizer.step()")
-        if getattr(self.precision, "scaler", None) is None and session.skip_step():
+        if getattr(self.precision, "scaler", None) is None and self._skip_step():
             return None  # a grad scaler (16-mixed) skips such steps itself, and lowers its scale
         output = self.precision.optimizer_step(optimizer, **kwargs)
         session.after_step(optimizer)
@@ -256,8 +257,9 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
         self._check_stepping(optimizer, "fabric.clip_gradients")
         self.precision.unscale_gradients(optimizer)
-        return self.session.clip_grad_norm(max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                                           parameters=list(self.precision.main_params(optimizer)))
+        return clip_grad_norm_(self.session.wrapper, max_norm, norm_type=norm_type,
+                               error_if_nonfinite=error_if_nonfinite,
+                               parameters=list(self.precision.main_params(optimizer)))
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
@@ -265,7 +267,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
             return super().clip_gradients_value(module, optimizer, clip_val)
         self._check_stepping(optimizer, "fabric.clip_gradients")
         self.precision.unscale_gradients(optimizer)
-        self.session.clip_grad_value(clip_val, parameters=list(self.precision.main_params(optimizer)))
+        clip_grad_value_(self.session.wrapper, clip_val, parameters=list(self.precision.main_params(optimizer)))
         return None
 
     # --- checkpoints -------------------------------------------------------------------
@@ -286,13 +288,14 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
         if isinstance(module, LayerwiseDataParallel):
-            return self.session.module_state_dict(module.module)
+            return self.session.checkpoints.module_state_dict(module.module)
         return module.state_dict()
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if any(optimizer is o for o in self.session.optimizers):
-            return self.session.checkpoints.optimizer_state(optimizer)
+            checkpoints = self.session.checkpoints
+            return checkpoints.save_format.optimizer_state(checkpoints, optimizer)
         return super().get_optimizer_state(optimizer)
 
     @override
@@ -306,15 +309,16 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
     @override
     def save_checkpoint(self, path: _PATH, state: dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        checkpoints = self.session.checkpoints
         target = self.broadcast(str(path))
         module_key, optimizer_keys = self._roles(state)
         call = f"LayerwiseFabricStrategy(checkpoint_format={self.config.checkpoint_format!r}): fabric.save"
-        self.session.checkpoints.check_save(target, storage_options, call, has_model=module_key is not None)
+        checkpoints.check_save(target, storage_options, call, has_model=module_key is not None)
         filter = filter or {}
         converted: dict[str, Any] = {}
         for key, obj in state.items():
             if key in optimizer_keys:
-                value = self.session.checkpoints.optimizer_state(obj)  # "full": gathered to rank 0 (collective)
+                value = checkpoints.save_format.optimizer_state(checkpoints, obj)  # "full": gathered to rank 0
             elif isinstance(obj, nn.Module):
                 value = self.get_module_state_dict(obj)
             elif isinstance(obj, Optimizer):
@@ -326,9 +330,9 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
             _apply_filter(key, filter, value, converted)
         meta = {k: v for k, v in converted.items() if k != module_key and k not in optimizer_keys}
         meta["layerwise"] = {"fabric": {"module": module_key, "optimizers": optimizer_keys}}
-        self.session.checkpoints.save(target, Checkpoint(converted, converted.get(module_key) if module_key else None,
-                                             [converted[k] for k in optimizer_keys], meta),
-                          self.checkpoint_io, storage_options)
+        checkpoint = Checkpoint(converted, converted.get(module_key) if module_key else None,
+                                [converted[k] for k in optimizer_keys], meta)
+        checkpoints.save_format.save(checkpoints, target, checkpoint, self.checkpoint_io, storage_options)
 
     @override
     def load_checkpoint(self, path: _PATH, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
@@ -380,7 +384,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
         on every rank (gathered, with ``shard_parameters=True``), and ``fabric.save`` still writes the last
         layout's checkpoint. At interpreter exit, if the script has not called it, the run ends without
         gathering anything (Note [sharded release] in ``engine/sharded.py``)."""
-        self.session.release()
+        self._release()
         super().teardown()
 
     @classmethod

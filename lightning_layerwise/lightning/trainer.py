@@ -13,8 +13,8 @@ one session method:
 * ``pre_backward`` / ``post_backward``: ``before_backward`` / ``after_backward``;
 * after ``optimizer.step``: ``after_step`` (the all-gather the next forward waits for);
 * before evaluation, checkpointing and teardown: ``sync_parameters``;
-* checkpoints: ``optimizer_state``, ``save``, ``read``, ``load_optimizer_states``
-  (the format is the session's, ``formats.py``);
+* checkpoints: ``session.checkpoints``' ``save_format`` (its ``optimizer_state`` and ``save``), ``read``,
+  ``load_optimizer_states`` (the format is the session's, ``formats.py``);
 * ``teardown``: ``release``; with sharded parameters the run goes on after ``fit`` (``validate``/``test``/
   ``predict`` and checkpoints use it) until ``llw.release``, the next ``fit`` or interpreter exit.
 
@@ -68,7 +68,8 @@ from .common import (SessionAdapter, check_precision, register_strategy_names, r
                      start_session)
 from .precision import SUPPORTED_PRECISION as _SUPPORTED_PRECISION
 from .precision import StepHooks, layerwise_precision
-from ..session import is_compiled, release
+from ..engine.clip import clip_grad_norm_, clip_grad_value_
+from ..session import is_compiled, model_parameter, release, stepped_tensor
 
 
 def _own_reads(method: Callable) -> Callable:
@@ -79,7 +80,7 @@ def _own_reads(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def with_own_reads(self, *args: Any, **kwargs: Any) -> Any:
-        with self.session.local_reads():
+        with self.session.reads.local():
             return method(self, *args, **kwargs)
 
     return with_own_reads
@@ -232,7 +233,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             owner=type(self).__name__,
         )
         start_session(self, config)  # self.session: wrapping, steps, checkpoints, teardown
-        self.session.read_rules = ReadRules(
+        self.session.reads.rules = ReadRules(
             steps="the Trainer's steps and Lightning's hooks (where every rank runs the same code)",
             whole_again="After trainer.fit the module stays sharded (trainer.test and trainer.save_checkpoint run "
                         "on it); llw.release(model), on every rank, gives it every parameter back whole.")
@@ -262,11 +263,13 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if session.wrapper is not None:
             module = self.lightning_module
             hooks = StepHooks(
-                clip_grad_norm=lambda max_norm, params: session.clip_grad_norm(max_norm, parameters=params),
-                clip_grad_value=lambda value, params: session.clip_grad_value(value, parameters=params),
+                clip_grad_norm=lambda max_norm, params: clip_grad_norm_(_wrapper_to_clip(session), max_norm,
+                                                                        parameters=params),
+                clip_grad_value=lambda value, params: clip_grad_value_(_wrapper_to_clip(session), value,
+                                                                       parameters=params),
                 before_step=session.before_step,
                 skips_nonfinite=lambda: session.config.skip_nonfinite_steps and session.wrapper is not None,
-                skip_step=lambda: session.skip_step(module.global_step))
+                skip_step=lambda: self._skip_step(module.global_step))
             self.precision_plugin = layerwise_precision(self.precision_plugin, hooks, session.groups.dp)
         super().setup_precision_plugin()
 
@@ -297,8 +300,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        self.model = self.session.wrap(self.model, self._user_optimizers(),
-                                       master_weights=isinstance(self.precision_plugin, HalfPrecision))
+        self.model = self._wrap(self.model, self._user_optimizers(),
+                                master_weights=isinstance(self.precision_plugin, HalfPrecision))
 
     @override
     def setup(self, trainer) -> None:
@@ -310,7 +313,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if self._on_the_sharded_run(fitting):
             self._setup_on_the_sharded_run(trainer)
             return
-        self.session.module = self.lightning_module  # checkpoints read into it, wrapped or not
+        self.session.checkpoints.module = self.lightning_module  # checkpoints read into it, wrapped or not
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
@@ -351,7 +354,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if self.session.wrapper is not None:
             if not fitting and self.session.module is module and self.session.wrapper.shard_parameters:
                 return True
-            self.session.release()
+            self._release()
         release(module)
         return False
 
@@ -443,7 +446,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     @override
     @_own_reads
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.session.module_state_dict(self.lightning_module)
+        return self.session.checkpoints.module_state_dict(self.lightning_module)
 
     @override
     @_own_reads
@@ -453,19 +456,21 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         the checkpoint format writes (``"full"``: gathered to rank 0, a collective)."""
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return self.session.checkpoints.optimizer_state(optimizer)
+        checkpoints = self.session.checkpoints
+        return checkpoints.save_format.optimizer_state(checkpoints, optimizer)
 
     @override
     @_own_reads
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
+        checkpoints = self.session.checkpoints
         target = self.broadcast(str(filepath))
         call = f"LayerwiseStrategy(checkpoint_format={self.config.checkpoint_format!r}).save_checkpoint"
-        self.session.checkpoints.check_save(target, storage_options, call, has_model="state_dict" in checkpoint)
+        checkpoints.check_save(target, storage_options, call, has_model="state_dict" in checkpoint)
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.session.checkpoints.save(target, Checkpoint(checkpoint, checkpoint.get("state_dict"),
-                                             checkpoint.get("optimizer_states", []), meta),
-                          self.checkpoint_io, storage_options)
+        checkpoints.save_format.save(checkpoints, target, Checkpoint(checkpoint, checkpoint.get("state_dict"),
+                                                                     checkpoint.get("optimizer_states", []), meta),
+                                     self.checkpoint_io, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -516,7 +521,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         if wrapper is not None:
             self.model = self.lightning_module  # no reference left to the wrapper: the release frees its buffers
         wrapper = None
-        self.session.release()
+        self._release()
         module = self.lightning_module
         # A model refused on the meta device (Note [meta-device models]) stays there: Lightning's move to the CPU
         # would raise over the error that ended the fit.
@@ -560,6 +565,14 @@ _PARAMETER_SAFE_CALLBACKS = (ModelCheckpoint, LearningRateMonitor, ProgressBar, 
 _BETWEEN_STEP_HOOKS = ("on_train_batch_end", "on_train_epoch_end")
 
 
+def _wrapper_to_clip(session):
+    """The session's wrapper, which gradient clipping reads (clipping happens only while the model is wrapped)."""
+    if session.wrapper is None:
+        raise RuntimeError("gradient clipping under strategy='layerwise' needs the model wrapped for fitting (setup "
+                           "has not run, or teardown already has).")
+    return session.wrapper
+
+
 def _finetuning_sees_parameters(trainer, session) -> list:
     """``BaseFinetuning`` records the optimizers' param groups by parameter name (``_store``) and restores them
     by name when resuming (``on_fit_start``), looking tensors up by identity among the module's parameters.
@@ -575,9 +588,10 @@ def _finetuning_sees_parameters(trainer, session) -> list:
         for group in param_groups:
             entry = {k: v for k, v in group.items() if k != "params"}
             if by_name:  # restoring: names -> what the optimizer steps
-                entry["params"] = [session.stepped_tensor(mapping[name]) for name in group["params"]]
+                entry["params"] = [stepped_tensor(session.wrapper, session.masters, mapping[name])
+                                   for name in group["params"]]
             else:  # recording: what the optimizer steps -> names
-                entry["params"] = [mapping[session.model_parameter(t)] for t in group["params"]]
+                entry["params"] = [mapping[model_parameter(session.wrapper, t)] for t in group["params"]]
             out.append(entry)
         return out
 
@@ -618,7 +632,7 @@ def _parameter_readers(trainer) -> list[str]:
 class _HookReads:
     """``trainer.profiler`` while a model with sharded parameters fits: Lightning calls every hook of the callbacks,
     the LightningModule and the datamodule inside ``trainer.profiler.profile(name)``, on every rank in the same
-    order, so each runs there inside ``session.hook_reads(name)`` and its reads of parameters gather on demand as
+    order, so each runs there inside ``session.reads.hook(name)`` and its reads of parameters gather on demand as
     collectives (Note [collective reads] in ``engine/collective_reads.py``). Everything else is the profiler's.
     Installed by the strategy's ``setup`` for fitting, removed by its ``teardown`` (a patch: Note [patches] in
     ``engine/patches.py``). Lightning's writes of the profiler's attributes pass through to it."""
@@ -633,7 +647,7 @@ class _HookReads:
     def profile(self, action_name: str):
         with self._profiler.profile(action_name):
             if action_name.startswith(self._HOOKS):
-                with self._session.hook_reads(action_name):
+                with self._session.reads.hook(action_name):
                     yield
             else:
                 yield
@@ -650,7 +664,7 @@ def _raise_posted_failure(session) -> None:
     in one of Lightning's collectives) after another rank posted a read error (Note [failing together] in
     ``engine/collective_reads.py``), that error, so that every rank ends with it. Lightning's teardown after the
     strategy's is then skipped: the process is failing."""
-    error, failure = sys.exc_info()[1], session.failure
-    session.failure = None
+    error, failure = sys.exc_info()[1], session.reads.failure
+    session.reads.failure = None
     if error is not None and failure is not None and not isinstance(error, ShardedParameterReadError):
         raise ShardedParameterReadError(failure) from error

@@ -213,7 +213,7 @@ def _bf16_true_worker(rank, world):
     fabric = make_fabric(world, bucket_size=2048, precision="bf16-true")
     model = gpt(seed=rank)
     model, opt = fabric.setup(model, optimizer("adamw", model))
-    masters = fabric.strategy._masters.numel
+    masters = fabric.strategy.session.masters.numel
     norms = train_steps(fabric, model, opt, batches(4), rank, world)
     params = params_of(model)
     fabric.strategy.teardown()

@@ -177,7 +177,7 @@ def _bf16_true_worker(rank, world, steps, owner_group_size="auto"):
 
     class Inspect(L.Callback):
         def on_train_end(self, trainer, pl_module):
-            masters = trainer.strategy._masters
+            masters = trainer.strategy.session.masters
             info["master_numel"] = masters.numel
             info["master_dtypes"] = {m.dtype for _, m in masters.pairs}
             opt = trainer.optimizers[0]
