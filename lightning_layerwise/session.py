@@ -25,33 +25,23 @@ the run that does not depend on who calls it:
   destroys the run's groups.
 
 Note [re-planning]
-    The layout is planned from the parameters that train when the module is wrapped.
-    Freezing one later needs nothing: it gets no gradient, so the optimizer skips it as
-    an unused parameter (its slot stays in its bucket and sends zeros; that is what
-    lets ``toggle_optimizer`` flip ``requires_grad`` every step for free). A parameter
-    frozen *at* wrapping (``BaseFinetuning.freeze_before_training``, a frozen backbone)
-    has no slot, so when it trains again its gradient would never be reduced and the
-    ranks would drift apart, as they do under ``ddp``, which builds its reducer once.
-    So every training forward checks, among the parameters outside the layout, whether
-    one has ``requires_grad=True`` (one attribute read each). The first forward that
-    finds one re-plans, on every rank, before any collective of the step: the
-    optimizers' full state is gathered to rank 0 and broadcast (what a full checkpoint
-    costs: every rank holds it for a moment, in host memory), each optimizer's groups
-    get the model's parameters back in place of pieces and masters, the layout is
-    planned again for the owner groups the run already has, the wrapper is rebuilt in
-    place (:meth:`LayerwiseDataParallel.rebuild`: the same object, parameters and
-    values, new buffers, pieces and hooks), the optimizers get the new pieces and
-    masters, and each rank keeps the state of what it steps now, sliced from the full
-    state as a resumed checkpoint is. Gradients still held from before the change are
-    dropped, as the ``zero_grad`` before the next backward would drop them; a change
-    while gradients accumulate inside ``no_sync`` is refused. The change must be made
-    on every rank alike (``BaseFinetuning`` does); the rebuild checks the trainable
-    set is the same everywhere and raises otherwise.
+    The layout is planned from the parameters that train when the module is wrapped. Freezing one later needs
+    nothing: it gets no gradient, so the optimizer skips it as unused (its slot sends zeros; ``toggle_optimizer``
+    flips ``requires_grad`` every step for free). A parameter frozen *at* wrapping (a frozen backbone) has no
+    slot, so when it trains again its gradient would never be reduced and the ranks would drift apart, as under
+    ``ddp``, which builds its reducer once. So every training forward checks whether a parameter outside the
+    layout has ``requires_grad=True`` (one attribute read each). The first that finds one re-plans, on every
+    rank, before any collective of the step: the optimizers' full state is gathered to rank 0 and broadcast
+    (what a full checkpoint costs), each optimizer's groups get the model's parameters back in place of pieces
+    and masters, the layout is planned again for the run's owner groups, the wrapper is rebuilt in place
+    (:meth:`LayerwiseDataParallel.rebuild`: same object, parameters and values; new buffers, pieces and hooks),
+    the optimizers get the new pieces and masters, and each rank keeps the state of what it steps now, sliced
+    as a resumed checkpoint is. Gradients held from before are dropped, as the next ``zero_grad`` would; a
+    change inside ``no_sync`` is refused, and one not made alike on every rank raises.
 
-    A param group added with ``optimizer.add_param_group`` (``unfreeze_and_add_param_group``)
-    gets its pieces and masters at the next step (:meth:`LayerwiseSession.before_step`).
-    ``BaseFinetuning`` maps the optimizers' tensors to parameter names by identity; the
-    Trainer strategy maps pieces and masters to their parameters for it.
+    A param group added with ``optimizer.add_param_group`` (``unfreeze_and_add_param_group``) gets its pieces
+    and masters at the next step (:meth:`LayerwiseSession.before_step`). ``BaseFinetuning`` maps the optimizers'
+    tensors to parameter names by identity; the Trainer strategy maps pieces and masters to their parameters.
 
 A plain torch loop under ``torchrun``::
 

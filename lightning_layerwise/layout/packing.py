@@ -13,41 +13,24 @@ Note [size matching]
     kept for filling.
 
 Note [leftovers]
-    Backward-order filling alone strands parameters: when a large seed's round (an
-    untied output head, first in backward order) fills its free shards with whole
-    layers, every size class is left with a count that ``group_size`` does not
-    divide, and each class ends in a short round of single matrices, most of whose
-    shards are padding (Llama-3 70B at 64 ranks: 14% padding). So the planner also
-    tries a second packing that plans by *size class* first
-    (:func:`_reserve_leftovers`): largest class first, a class of ``c`` parameters
-    needs ``c // group_size`` full rounds, and its ``c % group_size`` leftovers are
-    *reserved* as fill if they fit into the free shards of larger classes' short
-    rounds (simulated first-fit decreasing); otherwise they form a short round whose
-    free shards smaller classes may use. Then whole groups of ``group_size``
-    parameters of a class move from full rounds into free shards while everything
-    still fits (largest class first; giving one group back to make room for smaller
-    classes is kept when the rounds get shorter). Moving fewer than ``group_size``
-    would only turn a full round into a short one of the same length.
+    Backward-order filling alone strands parameters: when a large seed's round (an untied head) fills its free
+    shards with whole layers, every size class is left with a count ``group_size`` does not divide, and each
+    class ends in a short round mostly of padding (Llama-3 70B at 64 ranks: 14%). So the planner also tries a
+    packing by *size class* first (:func:`_reserve_leftovers`): largest class first, a class of ``c`` parameters
+    needs ``c // group_size`` full rounds, and its ``c % group_size`` leftovers are *reserved* as fill if they fit
+    the free shards of larger classes' short rounds (simulated first-fit decreasing); otherwise they form a
+    short round whose free shards smaller classes may use. Whole groups of ``group_size`` parameters then move
+    from full rounds into free shards while everything still fits.
 
-    The packing pass then runs as before, except that a seed's peers are never
-    reserved parameters, and shards without a peer are filled with reserved
-    parameters only (those after the seed in backward order), largest size
-    class first, each class into the first shards with room. The reserved ones
-    of a class are its *last* in backward order, so the full rounds keep the
-    nearest peers and bucket starts still move monotonically through backward
-    order. A reserved parameter that no round had room for seeds a round when
-    backward order reaches it, as any other parameter. Both packings (each
-    with its solo seeds, Note [tail gaps]) are computed and the reserved one is
-    kept only if its total padding is lower, so no layout pads more than the
-    plain pass. The reserved fill takes parameters from anywhere after the seed,
-    not the next ones: a head round that holds leftovers of the first layers
-    completes only when they do, which it does anyway (the embedding in the
-    same round is the last gradient of backward).
+    The packing pass then runs as before, except that a seed's peers are never reserved parameters, and shards
+    without a peer are filled with reserved parameters only (those after the seed in backward order), largest
+    class first, each into the first shards with room. A class's reserved ones are its *last* in backward order,
+    so full rounds keep the nearest peers and bucket starts move monotonically through backward order; a
+    reserved parameter no round had room for seeds a round when backward order reaches it. Both packings (each
+    with its solo seeds, Note [tail gaps]) are computed and the reserved one is kept only if it pads less.
 
-    Limit: free shards come only from rounds formed *before* the parameters in
-    backward order. A large parameter that is last in backward order (GPT-2's
-    tied embedding) gets its round last, and reserved parameters cannot reach
-    it; only the solo seed's tail fill can.
+    Limit: free shards come only from rounds formed *before* the parameters in backward order, so a large
+    parameter last in backward order (GPT-2's tied embedding) is reached only by its solo seed's tail fill.
 
 Note [tail gaps]
     Greedy filling only draws on parameters *after* the seed in backward
@@ -79,44 +62,27 @@ Note [owner balancing]
     it fails), the round keeps its first-fit shards.
 
 Note [element-wise fill]
-    Whole ownership pads: a parameter owned whole needs a round of ``group_size``
-    shards of its size, so a model whose largest tensor is a large share of the
-    whole (an embedding) pads most of every buffer at large ``group_size``
-    (Note [shard alignment] in ``layout/plan.py``). Parameters whose optimizer update
-    is element-wise (``ParamSpec.elementwise``: the AdamW groups of Muon, AdamW,
-    SGD…) need no whole tensor, so the planner places them after the whole ones, in
-    two steps:
+    Whole ownership pads: a parameter owned whole needs a round of ``group_size`` shards of its size, so a model
+    whose largest tensor is a large share of the whole pads most of every buffer at large ``group_size`` (Note
+    [shard alignment] in ``layout/plan.py``). Parameters whose update is element-wise (``ParamSpec.elementwise``:
+    Muon's AdamW groups, AdamW, SGD...) need no whole tensor, so the planner places them after the whole ones:
 
-    1. *Pour*: largest first, each goes whole into the smallest gap a
-       whole-parameter bucket left (padding inside a shard) that holds it, and only
-       into a bucket whose last parameter in backward order comes at or after it, so
-       that no bucket's gradients complete later than without it.
-    2. *Flat buckets*: the rest are laid back to back in backward order (each on a
-       64-element boundary) into buckets of ``bucket_size`` elements, rounded up to
-       a multiple of ``group_size * 64`` (of ``group_size * lcm(64, 16 R)`` when
-       ``R`` owner groups share the stepping: equal chunks, Note [replica sharing]
-       in ``layout/sharing.py``) and split into ``group_size`` equal shards, as a
-       ZeRO-1 optimizer splits its buffer. A parameter crossing a shard boundary is
-       split: its :class:`Piece` on each rank is the part inside that rank's shard,
-       and that rank steps that part (Note [pieces] in ``engine/data_parallel.py``).
+    1. *Pour*: largest first, each goes whole into the smallest gap a whole-parameter bucket left that holds it,
+       only into a bucket whose last parameter in backward order comes at or after it (no bucket completes later).
+    2. *Flat buckets*: the rest are laid back to back in backward order (each on a 64-element boundary) into
+       buckets of ``bucket_size`` elements, rounded up to a multiple of ``group_size * 64`` (``group_size *
+       lcm(64, 16 R)`` with ``R`` owner groups: Note [replica sharing] in ``layout/sharing.py``) and split into
+       ``group_size`` equal shards, as ZeRO-1 splits its buffer. A parameter crossing a shard boundary is split:
+       its :class:`Piece` on each rank is the part inside that rank's shard, which that rank steps (Note
+       [pieces] in ``engine/data_parallel.py``). With ``follow_layers`` a flat bucket also closes where a layer
+       ends (Note [flat layers] in ``layout/flat.py``).
 
-    With ``follow_layers`` (sharded parameters) a flat bucket also closes where a layer ends once it holds half
-    of ``bucket_size`` (Note [flat layers] in ``layout/flat.py``).
-
-    The planner also packs the buffer with the element-wise parameters owned whole
-    (as peers and fill of the rounds, as before) and keeps that layout when its
-    buffer is smaller: an embedding the size of the MLP matrices is their peer.
-
-    Every element is then stepped by exactly one rank, every piece lies inside its
-    owner's shard, and a parameter that is not element-wise never crosses a shard
-    boundary. Padding left: what whole parameters leave that no element-wise
-    parameter fits, plus alignment (at most 63 elements per parameter and
-    ``group_size * lcm(64, 16 R)`` per flat bucket). An element-wise parameter's
-    cost is its element count whatever ``cost`` says (a piece costs its share). The
-    flat buckets keep backward order among themselves but follow all whole buckets
-    in the buffer; the wrapper orders collectives by each bucket's first parameter,
-    so that only changes when a flat bucket's reduce-scatter can start, never
-    correctness.
+    The planner also packs the element-wise parameters owned whole (as peers and fill of rounds) and keeps that
+    layout when its buffer is smaller. Every element is stepped by exactly one rank, every piece lies inside its
+    owner's shard, and a parameter that is not element-wise never crosses a shard boundary. An element-wise
+    parameter's cost is its element count (a piece costs its share). The flat buckets follow all whole buckets in
+    the buffer; the wrapper orders collectives by each bucket's first parameter, so that changes only when a flat
+    bucket's reduce-scatter can start, never correctness.
 
 Note [backward order]
     Gradients become ready in roughly reverse registration order, so buffers
