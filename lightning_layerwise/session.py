@@ -342,9 +342,9 @@ class LayerwiseSession:
         wrapper = self.wrapper
         if wrapper is None:
             return param
-        shard = wrapper.grad_sync.piece_of(param)
+        shard = wrapper.records.piece_of(param)
         tensor = param if shard is None else shard
-        return self.masters.stepped(tensor) if self.masters is not None else tensor
+        return self.masters.master_of.get(tensor, tensor) if self.masters is not None else tensor
 
     def model_parameter(self, tensor: torch.Tensor) -> torch.Tensor:
         """The model parameter an optimizer's tensor stands for (inverse of :meth:`stepped_tensor`)."""
@@ -734,5 +734,5 @@ def is_compiled(module) -> bool:
 
 def _model_parameter(wrapper: LayerwiseDataParallel, tensor: torch.Tensor) -> torch.Tensor:
     """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself."""
-    param = wrapper.grad_sync.layout_parameter_of(tensor)
-    return tensor if param is None else param
+    record = wrapper.records.of(tensor)
+    return tensor if record is None else record.param
