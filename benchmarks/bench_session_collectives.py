@@ -256,12 +256,12 @@ def without_split_flags(wrapper: llw.LayerwiseDataParallel) -> None:
     into another collective. Valid only when every split parameter gets a gradient on every rank (checked here):
     then the all-reduce's answer is "used" for all of them, which this returns without communicating."""
     sync = wrapper.grad_sync
-    split = [r for records, _ in sync._split_by_group for r in records]
+    split = [p for params, _ in sync._split_by_group for p in params]
 
     def used() -> dict:
-        if not all(r.gradient.seen for r in split):
+        if not all(wrapper.records[p].gradient.seen for p in split):
             raise RuntimeError("no_flags what-if: a split parameter got no gradient on this rank; the flags matter")
-        return {r.param: True for r in split}
+        return {p: True for p in split}
 
     sync._split_parameters_used = used  # this wrapper only; the package is not changed
     sync._split_by_group, sync._split_flags = [], []  # so finish_grad_sync starts no flags all-reduce

@@ -9,8 +9,8 @@ steps (its units: whole parameters, pieces, float32 masters; Note [pieces] in
 ``engine/data_parallel.py``, Note [gradient lifecycle]), and the collective reductions over it
 (finite check, norms: ``engine/clip_reductions.py``). A split parameter's ``.grad`` marks that
 it has a gradient without holding one (Note [split gradients] in ``engine/split_gradient.py``).
-It is built from buckets, gradient slots and a process
-group alone, and holds all of that state; the wrapper composes it with the parameter side.
+It is built from buckets, the parameter records (Note [the per-parameter record] in
+``engine/param_records.py``) and a process group alone; the wrapper composes it with the parameter side.
 
 Note [gradient lifecycle]
     Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
@@ -136,9 +136,9 @@ from .waiter import Waiter
 class GradientSync:
     """Gradient accumulation, reduction and hand-out over a set of buckets.
 
-    Built from the buckets alone, without a module wrapper; it holds every piece of gradient state (records,
-    units, carried gradients, the split flags) and moves the buckets' gradient states through their own methods
-    (Note [bucket states] in ``engine/buffers.py``).
+    Built from the buckets and the parameter records, without a module wrapper; it moves every piece of gradient
+    state (the records' gradient parts and units, carried gradients, the split flags) and the buckets' gradient
+    states through their own methods (Note [bucket states] in ``engine/buffers.py``).
 
     Args:
         buckets: every bucket, in layout order; their parameters are the ones this side tracks.
@@ -176,10 +176,10 @@ class GradientSync:
         # (Note [pieces] in ``engine/data_parallel.py``) needs no host transfer; set by the gradient hook, zeroed with
         # the buffers.
         split = [r for r in records if r.slot.split]
-        self._split_by_group = [(rs, group) for rs, group in (
-            ([r for r in split if r.name not in experts], groups.dp),
-            ([r for r in split if r.name in experts], groups.expert_group)) if rs]
-        self._split_flags = [torch.zeros(len(rs), device=self._device()) for rs, _ in self._split_by_group]
+        self._split_by_group = [(ps, group) for ps, group in (
+            ([r.param for r in split if r.name not in experts], groups.dp),
+            ([r.param for r in split if r.name in experts], groups.expert_group)) if ps]
+        self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
         self._flag_reduces: list[collectives.Collective] = []  # their all-reduces in flight, one per group
         self.parameter_lists = ParameterLists(records, self._device)
         """The lists of parameters a norm is given, and their votes (Note [parameter lists] in ``engine/clip.py``)."""
@@ -195,9 +195,9 @@ class GradientSync:
         self.synced_at = 0
         """When this side last handed out reduced gradients, in this process's count of syncs (0: never)."""
         self._gradients = [r.gradient for r in records]
-        for (rs, _), flags in zip(self._split_by_group, self._split_flags):
-            for i, r in enumerate(rs):
-                r.gradient.split_flag = flags[i]
+        for (ps, _), flags in zip(self._split_by_group, self._split_flags):
+            for i, p in enumerate(ps):
+                records[p].gradient.split_flag = flags[i]
         self._unhooked: list[GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
         self.hook_gradients()
         self._mark_split_gradients()
@@ -681,14 +681,14 @@ class GradientSync:
         pieces are stepped or none, as one process would step it or not.
         """
         used = {}
-        for (records, _), flags, flags_reduce in zip(self._split_by_group, self._split_flags, self._flag_reduces):
+        for (params, _), flags, flags_reduce in zip(self._split_by_group, self._split_flags, self._flag_reduces):
             # experts: only their expert data-parallel ranks hold them
-            if all(r.gradient.seen for r in records):
+            if all(self._records[p].gradient.seen for p in params):
                 # A maximum is 1 where ours is: no read back and no wait (the next restart waits).
-                used.update((r.param, True) for r in records)
+                used.update((p, True) for p in params)
             else:
                 self.waiter.wait(flags_reduce, "split_flags")
-                used.update(zip((r.param for r in records), flags.bool().tolist()))
+                used.update(zip(params, flags.bool().tolist()))
         return used
 
     def own_shard(self, bucket: Bucket) -> torch.Tensor:
