@@ -199,6 +199,7 @@ class GradientSync:
             for i, p in enumerate(ps):
                 records[p].gradient.split_flag = flags[i]
         self._unhooked: list[GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
+        self._units_stepped_apart: list[GradUnit] = []  # units whose optimizer tensor is not the parameter
         self.hook_gradients()
         self._mark_split_gradients()
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
@@ -248,7 +249,7 @@ class GradientSync:
                 shard.grad = None
                 shard.data = shard.data.clone()  # no longer a view of the freed buffer
         self._records.release()
-        self._carry = []
+        self._units_stepped_apart, self._carry = [], []
         self._grads_handed_out = False
         if wait:  # the wrapper's callbacks go: no cycle keeps its buffers (after a failure, see Note [sharded release])
             self._before_reduce = self._on_backward = self._grads_done = lambda *_: None
@@ -321,7 +322,7 @@ class GradientSync:
                 del p.main_grad
         for unit in carried:
             unit.record.carried = True
-        for unit in self._records.units:  # pieces and masters (a unit stepping its parameter itself has neither)
+        for unit in self._units_stepped_apart:  # pieces and masters: the other units are parameters
             for t in (unit.tensor, unit.master):
                 if t is not None and t is not unit.param:
                     t.grad = None
@@ -630,6 +631,7 @@ class GradientSync:
         """Decides whose gradients autograd adds in place, and hooks the parameters whose gradient needs the hook
         (Note [in-place gradients]); run again when a master takes a parameter's place in the optimizer
         (:meth:`~lightning_layerwise.engine.param_records.ParamRecords.set_master`)."""
+        self._units_stepped_apart = [u for u in self._records.units if u.stepped is not u.param]
         for record in self._records:
             p, rec, unit = record.param, record.gradient, record.unit
             stepped_apart = unit is not None and unit.stepped is not p
