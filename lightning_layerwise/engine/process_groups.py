@@ -160,7 +160,8 @@ class ProcessGroups:
         return self.dp_all_gather is not None and self.dp_all_gather is not self.owner_group
 
     def destroy(self) -> None:
-        """Destroys the groups (each once), so no communicator or thread outlives its training run.
+        """Destroys the groups (each once), so no communicator or thread outlives its training run; what was
+        probed of them (Note [averaging] in ``engine/collectives.py``) goes with them.
 
         For groups made by :meth:`create`; the caller must not use them afterwards.
         Every rank calls it after its last collective on them.
