@@ -106,14 +106,12 @@ class ParamRecords:
         """The parameters this rank steps whole."""
         return frozenset(u.param for u in self.units if not u.split)
 
-    def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> GradUnit:
+    def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
         """Declares ``master`` the tensor the optimizer steps for ``tensor`` (an owned parameter or piece): it gets
-        the reduced gradient in float32 at each sync (``bf16-true``, :class:`~.masters.MasterWeights`). Returns
-        the unit it steps."""
+        the reduced gradient in float32 at each sync (``bf16-true``, :class:`~.masters.MasterWeights`)."""
         record = self.of(tensor)
         record.unit.master = master
         self._by_stand_in[master] = record
-        return record.unit
 
     def release(self) -> None:
         """The wrapper is released: this rank steps nothing, and pieces and masters are no longer its tensors."""
