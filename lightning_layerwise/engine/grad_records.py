@@ -61,8 +61,8 @@ class GradUnit:
 
 class GradRecord:
     """One parameter's gradient path and what arrived of it this accumulation, bound (with its record) to its hook
-    so the hook looks nothing up (Note [in-place gradients] in ``engine/grad_sync.py``); flags here, not sets of parameters: a tensor
-    hashes in Python."""
+    so the hook looks nothing up (Note [in-place gradients] in ``engine/grad_sync.py``); flags here, not sets of
+    parameters: a tensor hashes in Python."""
 
     __slots__ = ("param", "view", "grad", "bucket", "inplace", "assigned", "version", "seen", "carried", "handed",
                  "split_flag", "hook", "split_grad", "split_hook")

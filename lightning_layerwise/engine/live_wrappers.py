@@ -3,9 +3,9 @@
 torch's gradient utilities (``engine/grad_utils.py``), Lightning's ``grad_norm`` (``lightning/grad_norm.py``)
 and QK-clip (``engine/qk_clip.py``) are handed tensors, not a wrapper: they look the wrapper up here. A wrapper
 (``engine/data_parallel.py``) enters its parameters and pieces when it is built and each master when it is set,
-and leaves at its ``release``, or when it is garbage-collected without one (the registry holds it weakly). The wrappers are typed here as the
-modules they are: ``data_parallel.py`` imports this module, so this one does not import it back, not even for
-its types (``tests/package/test_layers.py``).
+and leaves at its ``release``, or when it is garbage-collected without one (the registry holds it weakly). The
+wrappers are typed here as the modules they are: ``data_parallel.py`` imports this module, so this one does not
+import it back, not even for its types (``tests/package/test_layers.py``).
 """
 
 from __future__ import annotations
