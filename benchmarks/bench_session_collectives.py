@@ -259,7 +259,7 @@ def without_split_flags(wrapper: llw.LayerwiseDataParallel) -> None:
     split = [p for params, _ in sync._split_by_group for p in params]
 
     def used() -> dict:
-        if not all(sync._records[p].seen for p in split):
+        if not all(wrapper.records[p].gradient.seen for p in split):
             raise RuntimeError("no_flags what-if: a split parameter got no gradient on this rank; the flags matter")
         return {p: True for p in split}
 

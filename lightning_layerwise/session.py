@@ -695,13 +695,13 @@ def stepped_tensor(wrapper: Optional[LayerwiseDataParallel], masters: Optional[M
     ``param`` itself (``wrapper``, ``masters``: a session's)."""
     if wrapper is None:
         return param
-    shard = wrapper.grad_sync.piece_of(param)
+    shard = wrapper.records.piece_of(param)
     tensor = param if shard is None else shard
-    return masters.stepped(tensor) if masters is not None else tensor
+    return masters.master_of.get(tensor, tensor) if masters is not None else tensor
 
 
 def model_parameter(wrapper: Optional[LayerwiseDataParallel], tensor: torch.Tensor) -> torch.Tensor:
     """The model parameter an optimizer's tensor stands for (a piece, a master), or the tensor itself (inverse of
     :func:`stepped_tensor`)."""
-    param = None if wrapper is None else wrapper.grad_sync.layout_parameter_of(tensor)
-    return tensor if param is None else param
+    record = None if wrapper is None else wrapper.records.of(tensor)
+    return tensor if record is None else record.param

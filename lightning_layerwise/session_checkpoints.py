@@ -158,10 +158,10 @@ class SessionCheckpoints:
         wrapper, masters = self._session.wrapper, self._session.masters
         if wrapper is None:
             return {}
-        pieces = {shard: (wrapper.grad_sync.unit_of(shard).piece, tuple(p.shape))
-                  for p, shard in wrapper.grad_sync.pieces.items()}
+        pieces = {shard: (wrapper.records[p].unit.piece, tuple(p.shape))
+                  for p, shard in wrapper.records.pieces.items()}
         if masters is not None:  # the optimizer steps a piece's float32 master in its place
-            pieces.update({masters.stepped(shard): entry for shard, entry in list(pieces.items())})
+            pieces.update({masters.master_of.get(shard, shard): entry for shard, entry in list(pieces.items())})
         return pieces
 
     # --- saving ------------------------------------------------------------------------------------------------------

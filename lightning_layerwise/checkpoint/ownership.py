@@ -112,8 +112,8 @@ class Ownership:
         stepped = [p for _, p in wrapper.named_owned_parameters()]  # whole parameters and pieces
         masters = list(masters)
         split = {rename(n): slots[n] for n in local.values() if slots[n].split}
-        partly = [p for p, n in local.items() if slots[n].split and wrapper.grad_sync.piece_of(p) is not None]
-        first = [p for p in partly if wrapper.grad_sync.unit_of(p).piece is slots[local[p]].pieces[0]]
+        partly = [p for p, n in local.items() if slots[n].split and wrapper.records.piece_of(p) is not None]
+        first = [p for p in partly if wrapper.records[p].unit.piece is slots[local[p]].pieces[0]]
         # Each element is stepped, and written, by one rank of the world, owner groups or not (Note [replica
         # sharing] in layout.py).
         written = stepped + first + masters

@@ -95,7 +95,7 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
     units = votes = None
     if parameters is not None:  # Note [parameter lists]
         units, votes = wrapper.grad_sync.parameter_lists.units_and_votes(_as_list(parameters))
-        if len(units) == len(wrapper.grad_sync.owned_units):
+        if len(units) == len(wrapper.records.units):
             units = None  # all of this rank's gradient: whole shards (padding is zero), fewer kernels
     if math.isinf(p):
         device = wrapper.grad_sync.flat_buffers[0].grads.device
@@ -217,7 +217,7 @@ def _owned_grad_tensors(wrapper: LayerwiseDataParallel, parameters=None) -> list
     """Every tensor holding an owned gradient: ``main_grad`` and, where they are copies, ``.grad`` of the
     parameter or piece and of its master."""
     sync = wrapper.grad_sync
-    units = sync.owned_units if parameters is None else sync.parameter_lists.units_of(_as_list(parameters))
+    units = wrapper.records.units if parameters is None else sync.parameter_lists.units_of(_as_list(parameters))
     tensors = []
     for unit in units:
         holders = [t.grad for t in (unit.tensor, unit.master) if t is not None and t.grad is not None]

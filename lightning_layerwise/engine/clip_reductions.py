@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from . import collectives
 
 if TYPE_CHECKING:
     from .grad_records import GradUnit
+    from .param_records import ParamRecord, ParamRecords
     from .waiter import Waiter
 
 __all__ = ["ParameterLists", "all_finite", "shard_sum"]
@@ -83,20 +83,15 @@ class ParameterLists:
     agree across ranks, with a verdict not read yet (Note [parameter lists] in ``engine/clip.py``).
 
     Args:
-        names: each layout parameter and its name, in layout order (the same on every rank).
-        unit_of: what this rank steps of a tensor (a parameter, a piece or a master), or ``None``.
-        layout_parameter_of: the layout parameter a tensor is, or is this rank's piece or master of, or ``None``.
-        is_expert: whether a layout parameter is an expert one: those are not voted on (each expert-parallel
-            rank holds other experts under the same names).
+        records: every layout parameter's record, in layout order (the same on every rank): what this rank steps
+            of it, whether it is an expert one (those are not voted on: each expert-parallel rank holds other
+            experts under the same names).
         device: the device the votes are summed on (the gradient buffers').
     """
 
-    def __init__(self, names: dict[nn.Parameter, str], unit_of: Callable[[torch.Tensor], GradUnit | None],
-                 layout_parameter_of: Callable[[torch.Tensor], nn.Parameter | None],
-                 is_expert: Callable[[nn.Parameter], bool], device: Callable[[], torch.device]) -> None:
-        self._names, self._unit_of, self._layout_parameter_of = names, unit_of, layout_parameter_of
-        self._is_expert, self._device = is_expert, device
-        self._voters: list[nn.Parameter] | None = None
+    def __init__(self, records: ParamRecords, device: Callable[[], torch.device]) -> None:
+        self._records, self._device = records, device
+        self._voters: list[ParamRecord] | None = None
         self._holds_mask: torch.Tensor | None = None
         self._verdict = None  # a verdict left on an accelerator, not read yet: (bad, verdict, landed, what)
 
@@ -107,11 +102,11 @@ class ParameterLists:
     def _units_listed(self, tensors) -> tuple[list[GradUnit], set]:
         units, seen, listed = [], set(), set()
         for t in tensors:
-            param = self._layout_parameter_of(t)
-            if param is None:
+            record = self._records.of(t)
+            if record is None:
                 continue
-            listed.add(param)
-            unit = self._unit_of(param)
+            listed.add(record.param)
+            unit = record.unit
             if unit is not None and id(unit) not in seen:
                 seen.add(id(unit))
                 units.append(unit)
@@ -122,7 +117,7 @@ class ParameterLists:
         data-parallel group and read by :meth:`check_votes`."""
         units, listed = self._units_listed(tensors)
         voters = self._list_voters()
-        listed_mask = torch.tensor([p in listed for p in voters], dtype=torch.bool)
+        listed_mask = torch.tensor([r.param in listed for r in voters], dtype=torch.bool)
         holds = self._holds_mask
         # row 0: this rank holds the parameter's gradient and left it out; row 1: this rank named it
         votes = torch.cat([holds & ~listed_mask, listed_mask]).float()
@@ -168,7 +163,7 @@ class ParameterLists:
         if not wrong:
             return
         voters = self._list_voters()
-        names = [self._names[voters[i]] for i in wrong[:3]]
+        names = [voters[i].name for i in wrong[:3]]
         raise ValueError(
             f"{what} was given different parameters on different ranks: {names}{' and more' if len(wrong) > 3 else ''} "
             "are in the list on some ranks but left out on a rank that holds their gradient. Under "
@@ -177,12 +172,12 @@ class ParameterLists:
             "model.decoder.parameters(), or either filtered by `p.grad is not None` (which this strategy keeps "
             "consistent).")
 
-    def _list_voters(self) -> list[nn.Parameter]:
-        """The layout parameters a list is voted on, in layout order (the same on every rank): the dense ones;
-        an expert parameter is a different tensor on each expert-parallel rank."""
+    def _list_voters(self) -> list[ParamRecord]:
+        """The records of the layout parameters a list is voted on, in layout order (the same on every rank): the
+        dense ones; an expert parameter is a different tensor on each expert-parallel rank."""
         voters = self._voters
         if voters is None:
-            voters = [p for p in self._names if not self._is_expert(p)]
+            voters = [r for r in self._records if not r.bucket.expert]
             self._voters = voters
-            self._holds_mask = torch.tensor([self._unit_of(p) is not None for p in voters], dtype=torch.bool)
+            self._holds_mask = torch.tensor([r.unit is not None for r in voters], dtype=torch.bool)
         return voters

@@ -42,6 +42,7 @@ Note [uneven chunks]
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -119,9 +120,9 @@ class SideStream:
         return torch.cuda.stream(self._stream)
 
 
-_AVERAGING: dict[tuple[int, str], tuple[ProcessGroup, frozenset[str]]] = {}
-"""Per ``(id(group), device type)``: the group (held, so that its id is not reused) and the reductions
-:func:`probe_averaging` found averaging in the reduction."""
+_AVERAGING: "weakref.WeakKeyDictionary[ProcessGroup, dict[str, frozenset[str]]]" = weakref.WeakKeyDictionary()
+"""Per group (held weakly: a probe dies with its group), per device type: the reductions :func:`probe_averaging`
+found averaging in the reduction."""
 
 AVERAGED = ("all_reduce", "reduce_scatter", "reduce")
 
@@ -133,9 +134,10 @@ def probe_averaging(group: ProcessGroup | None, device: torch.device) -> frozens
     raises, or averages wrongly, is then not used with ``AVG``. The result is kept for :func:`supports_average`."""
     if group is None:
         return frozenset(AVERAGED)
-    key = (id(group), torch.device(device).type)
-    if key in _AVERAGING:
-        return _AVERAGING[key][1]
+    probes = _AVERAGING.setdefault(group, {})
+    kind = torch.device(device).type
+    if kind in probes:
+        return probes[kind]
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     mean = (world + 1) / 2  # rank r contributes r + 1
     root = dist.get_global_rank(group, 0)
@@ -159,21 +161,21 @@ def probe_averaging(group: ProcessGroup | None, device: torch.device) -> frozens
             failed[i] = 1
     _issue(group, lambda a: dist.all_reduce(failed, op=dist.ReduceOp.SUM, group=group, async_op=a), False)
     found = frozenset(name for name, bad in zip(AVERAGED, failed.tolist()) if bad == 0)
-    _AVERAGING[key] = (group, found)
+    probes[kind] = found
     return found
 
 
 def forget_probes(group: ProcessGroup) -> None:
-    """Drops what :func:`probe_averaging` found for ``group`` (it is being destroyed): the probe holds the group
-    only so that its id is not reused while the result stands."""
-    for key in [key for key, (held, _) in _AVERAGING.items() if held is group]:
-        del _AVERAGING[key]
+    """Drops what :func:`probe_averaging` found for ``group`` (it is being destroyed; a group collected without
+    :meth:`ProcessGroups.destroy` takes its probes with it)."""
+    _AVERAGING.pop(group, None)
 
 
 def supports_average(group: ProcessGroup, op: str = "reduce_scatter", device: torch.device | str = "cpu") -> bool:
     """Whether ``group`` averages ``op`` (one of :data:`AVERAGED`) in the reduction, as :func:`probe_averaging` found
     for ``device`` tensors; a group never probed sums, and :meth:`Collective.wait` divides (always correct)."""
-    return op in _AVERAGING.get((id(group), torch.device(device).type), (None, ()))[1]
+    probes = _AVERAGING.get(group) if group is not None else None
+    return probes is not None and op in probes.get(torch.device(device).type, ())
 
 
 def reduce_scatter_bucket(bucket: torch.Tensor, group: ProcessGroup | None, async_op: bool = True,

@@ -64,7 +64,7 @@ Note [pieces]
     pieces: rank ``r`` steps the elements of its :class:`~lightning_layerwise.layout.Piece`,
     the part of the parameter inside its shard. For that the wrapper makes, per
     split parameter with a piece here, a flat ``nn.Parameter`` viewing the piece's
-    range of the param buffer (:meth:`GradientSync.piece_of`), and
+    range of the param buffer (:meth:`ParamRecords.piece_of`), and
     :meth:`LayerwiseDataParallel.use_shards_in` puts it in the optimizer in place of
     the parameter; its ``.grad`` and ``.main_grad`` are the piece's range of the
     reduced grad buffer. An element-wise optimizer then computes exactly the
@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Literal
 
@@ -92,9 +91,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives, read_guard, replica_check
-from .buffers import Bucket, ParamState, allocate_buffers, build_buckets, meta_buffers, view_of
+from .buffers import Bucket, ParamState, allocate_buffers, build_buckets, meta_buffers
 from .grad_sync import GradientSync
-from .live_wrappers import _LIVE, _forget, wrapper_of
+from .live_wrappers import _LIVE, wrapper_of
 from .materialize import check_materializable, has_meta_tensors, materialize
 from .module_checks import FixedModule, check_same_module_on_all_ranks, reject_sparse_gradients
 from .param_sync import ParameterSide, ParameterSync
@@ -105,7 +104,7 @@ from .sharded import ShardedParameterSync
 from .sharded_init import materialize_sharded, shard_bucket_by_bucket
 from .waiter import CollectiveError, Waiter  # noqa: F401  CollectiveError: its import path since 0.1
 from .wrapper_setup import (broadcast_from_rank0, check_arguments, check_sharding, expert_buckets_by_layer,
-                            full_gradient_views, layout_specs, materialize_device, plan_or_check_layout)
+                            layout_specs, materialize_device, param_records, plan_or_check_layout)
 from ..layout import Layout, ParamSpec, newton_schulz_cost, resolve_bucket_size, resolve_prefetch_depth
 
 
@@ -205,16 +204,20 @@ class LayerwiseDataParallel(nn.Module):
         self.replaced_parameters: dict[int, nn.Parameter] = {}
         """A model built on the meta device (Note [meta-device models] in ``engine/materialize.py``): ``id`` of each
         meta parameter -> the parameter that replaced it (optimizers holding the former must take the latter)."""
-        named = self._build_buffers(specs, grad_reduce_dtype, device)
+        named, names = self._build_buffers(specs, grad_reduce_dtype, device)
         # Which groups average in the reduction, tried on each once (Note [averaging] in engine/collectives.py).
         averaged = {id(g): g for b in self._buckets for g in (b.group, b.replica_group) if g is not None}
         for group in averaged.values():
             collectives.probe_averaging(group, self._flat_buffers[0].grads.device)
         self._waiter = Waiter(self.ranks.dp_rank, self.ranks.dp_size, trace)
         self._end_of_backward_queued = False
+        self.records = param_records(self.layout, self._buckets, self._flat_buffers, names, self._rank_for,
+                                     self.shard_parameters)
+        """What the engine knows of each trained parameter (Note [the per-parameter record] in
+        ``engine/param_records.py``)."""
         self.grad_sync = self._gradient_side(overlap_grad_reduce)
         self.param_sync: ParameterSide = self._parameter_side(named, overlap_param_gather, reshard_after_forward)
-        self._fixed_module = FixedModule(module, self._param_names, self.shard_parameters)
+        self._fixed_module = FixedModule(module, self.records.names, self.shard_parameters)
         """What every training forward checks is still so (Note [fixed module] in ``engine/module_checks.py``)."""
         self.compiled_forward = False
         """Whether this wrapper's forward has run inside ``torch.compile`` (Note [compiled wrapper])."""
@@ -228,7 +231,7 @@ class LayerwiseDataParallel(nn.Module):
         parameters bucket by bucket (Note [sharded parameters] in ``engine/buffers.py``): no full buffer of the
         whole model is ever made; the buckets start as shapes on the meta device. A model built on the meta device
         is materialized on ``device`` (Note [meta-device models] in ``engine/materialize.py``). Returns the
-        module's parameters by name."""
+        module's parameters by name, and each trained parameter's name."""
         module, sharded, groups = self.module, self.shard_parameters, self.process_groups
         meta = has_meta_tensors(module)
         if meta and self._init_args["shard_parameters"]:
@@ -241,9 +244,9 @@ class LayerwiseDataParallel(nn.Module):
                 "model only with shard_parameters=True (bucket by bucket, Note [meta-device models] in "
                 "engine/materialize.py). Pass shard_parameters=True, or build the model on its device.")
         named = dict(module.named_parameters())
-        self._param_names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
+        names: dict[nn.Parameter, str] = {named[s.name]: s.name for s in specs}
         if sharded:
-            check_sharding(self._param_read_guard, named, self._param_names)
+            check_sharding(self._param_read_guard, named, names)
             self._flat_buffers = meta_buffers(self.layout, grad_reduce_dtype)
         else:
             self._flat_buffers = allocate_buffers(self.layout, {s.name: named[s.name] for s in specs},
@@ -252,59 +255,27 @@ class LayerwiseDataParallel(nn.Module):
                                       self.ranks)
         if sharded:
             dtypes = [(flat.params.dtype, flat.grads.dtype) for flat in self._flat_buffers]
-            stepped = self._stepped_whole_names()
+            stepped = self._stepped_whole_names(names)
             if meta:
                 self._flat_buffers, self.replaced_parameters = materialize_sharded(
                     module, self.layout, self._buckets, dtypes, named, stepped,
                     materialize_device(device, groups.dp), groups)
                 named = dict(module.named_parameters())
-                self._param_names = {named[s.name]: s.name for s in specs}
+                names = {named[s.name]: s.name for s in specs}
             else:
                 self._flat_buffers = shard_bucket_by_bucket(self.layout, self._buckets, dtypes, named,
-                                                            list(self._param_names.values()), stepped, groups)
-        self._bucket_of: dict[nn.Parameter, Bucket] = {p: b for b in self._buckets for p in b.params}
-        broadcast_from_rank0(module, self.layout, [] if sharded else self._flat_buffers, self._param_names,
+                                                            list(names.values()), stepped, groups)
+        broadcast_from_rank0(module, self.layout, [] if sharded else self._flat_buffers, names,
                              self.expert_names, self.ranks.expert_parallel_size, groups)
-        return named
+        return named, names
 
     def _gradient_side(self, overlap_grad_reduce: bool) -> GradientSync:
-        """The gradient side over this layout: what this rank steps whole, and its pieces of split parameters
-        as parameters of their own viewing the param buffer (Note [pieces])."""
-        grad_views, owned, split, pieces = {}, set(), [], {}
-        stepped_slots = {} if self.shard_parameters else None
-        if self.shard_parameters:
-            grad_views = full_gradient_views(self._buckets, self.layout, self._param_names)
-        for p, name in self._param_names.items():
-            slot = self.layout.params[name]
-            bucket = self._bucket_of[p]
-            if self.shard_parameters:
-                # Note [sharded parameters] in ``engine/buffers.py``: local gradients go to the full buffer; what
-                # this rank steps is handed its slot of the shard.
-                params_of, grads_of, base = bucket.param.shard, bucket.grad.shard, bucket.start + bucket.shard[0]
-            else:
-                # Strided as the parameter, so the reduced gradient keeps its memory format (Note [memory format]
-                # in ``engine/buffers.py``).
-                grad_views[p] = view_of(self._flat_buffers[slot.buffer].grads, slot, like=p)
-                flat = self._flat_buffers[slot.buffer]
-                params_of, grads_of, base = flat.params, flat.grads, 0
-            if not slot.split:
-                if slot.owner == self._rank_for(name):
-                    owned.add(p)
-                    if stepped_slots is not None:
-                        stepped_slots[p] = view_of(grads_of, slot, like=p, offset=slot.offset - base)
-                continue
-            split.append(p)
-            piece = slot.piece_of(self._rank_for(name))
-            if piece is not None:
-                begin, end = slot.offset + piece.start - base, slot.offset + piece.stop - base
-                pieces[p] = (nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end],
-                             piece)
+        """The gradient side over this layout's records."""
         return GradientSync(
-            self._buckets, self._flat_buffers, self._param_names, grad_views, owned, split, pieces, self._waiter,
-            groups=self.process_groups, layout_group=self._layout_group(), experts=self.expert_names,
+            self._buckets, self._flat_buffers, self.records, self._waiter, groups=self.process_groups,
+            layout_group=self._layout_group(), experts=self.expert_names,
             expert_parallel_size=self.ranks.expert_parallel_size, overlap_grad_reduce=overlap_grad_reduce,
-            sharded=self.shard_parameters, stepped_slots=stepped_slots, on_backward=self._backward_started,
-            reduces_in_flight=self._prefetch_depth,
+            sharded=self.shard_parameters, on_backward=self._backward_started, reduces_in_flight=self._prefetch_depth,
             # the parameter side is built next: looked up when called
             before_reduce=lambda: self.param_sync.finish(), grads_done=lambda b: self.param_sync.grads_done(b))
 
@@ -312,25 +283,31 @@ class LayerwiseDataParallel(nn.Module):
                         reshard_after_forward: bool) -> ParameterSide:
         """The parameter side over the buckets, gathering in forward order (Note [bucket order]), with the read guard
         on the parameters (Note [stale reads])."""
-        every_read_guarded = self._guard_reads(named)
+        every_read_guarded = self._all_guardable(named)
+        guarded = [p for p in self.records.names if read_guard.can_guard(p)] if self._param_read_guard != "off" else []
         gather_order = sorted(self._buckets, key=lambda b: b.first_param)
-        split = {id(self._bucket_of[p]) for p, n in self._param_names.items() if self.layout.params[n].split}
+        split = {id(r.bucket) for r in self.records if r.slot.split}
         split_buckets = [b for b in gather_order if id(b) in split]
+        side: ParameterSide
         if self.shard_parameters:
-            return ShardedParameterSync(
-                gather_order, self._param_names, self._waiter, split_buckets=split_buckets,
-                stepped_whole=self.grad_sync.stepped_whole,
+            side = ShardedParameterSync(
+                gather_order, self.records.names, self._waiter, split_buckets=split_buckets,
+                stepped_whole=self.records.stepped_whole,
                 prefetch_depth=self._prefetch_depth, reshard_after_forward=reshard_after_forward,
                 read_guard=self._param_read_guard, on_backward=self._backward_started,
                 write_back=self._write_back_pieces)
-        return ParameterSync(
-            gather_order, self._param_names, self._waiter, split_buckets=split_buckets,
-            prefetch_depth=self._prefetch_depth, overlap=overlap_param_gather and every_read_guarded,
-            read_guard=self._param_read_guard, gathers=self.process_groups.dp is not None)
+        else:
+            side = ParameterSync(
+                gather_order, self.records.names, self._waiter, split_buckets=split_buckets,
+                prefetch_depth=self._prefetch_depth, overlap=overlap_param_gather and every_read_guarded,
+                read_guard=self._param_read_guard, gathers=self.process_groups.dp is not None)
+        for p in guarded:  # Note [stale reads]
+            read_guard.attach(p, side.on_pending_read)
+        return side
 
-    def _stepped_whole_names(self) -> set[str]:
+    def _stepped_whole_names(self, names: dict[nn.Parameter, str]) -> set[str]:
         """The parameters this rank steps whole (with sharded parameters they view their bucket's shard)."""
-        return {n for n in self._param_names.values()
+        return {n for n in names.values()
                 if not self.layout.params[n].split and self.layout.params[n].owner == self._rank_for(n)}
 
     # --- sharded parameters (Note [when a bucket is full] in ``engine/sharded.py``) ---------------------------
@@ -359,37 +336,31 @@ class LayerwiseDataParallel(nn.Module):
         """Sharded parameters: what was written into a split parameter whose bucket is full reaches this rank's
         piece of it (whole parameters this rank steps view its shard: nothing to do)."""
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            for p, piece in self.grad_sync.pieces.items():
-                if self._bucket_of[p].param.state is ParamState.READY:
-                    where = self.grad_sync.unit_of(p).piece
-                    piece.copy_(p.reshape(-1)[where.start:where.stop])
+            for record in self.records:
+                piece = record.piece
+                if piece is not None and record.bucket.param.state is ParamState.READY:
+                    where = record.unit.piece
+                    piece.copy_(record.param.reshape(-1)[where.start:where.stop])
 
-    def _guard_reads(self, named: dict[str, nn.Parameter]) -> bool:
-        """Attaches the read guard to the parameters (Note [stale reads]); whether all-gathers may overlap the
-        forward, which needs every parameter guarded."""
+    def _all_guardable(self, named: dict[str, nn.Parameter]) -> bool:
+        """Whether the read guard can be attached to every parameter (Note [stale reads]), which all-gathers
+        overlapping the forward need; warns where it cannot."""
         if self._param_read_guard == "off":
             return True
-        unguardable = [n for p, n in self._param_names.items() if not read_guard.can_guard(p)]
+        unguardable = [n for p, n in self.records.names.items() if not read_guard.can_guard(p)]
         if unguardable and self._init_args["overlap_param_gather"]:
             warnings.warn(
                 f"parameters {unguardable[:3]} are of class {type(named[unguardable[0]]).__name__}, not "
                 "nn.Parameter, so reads of them outside their module cannot be made to wait for the "
                 "all-gather; parameters are all-gathered before start_param_sync() returns instead "
                 "(overlap_param_gather=False).", stacklevel=4)
-        for p in self._param_names:
-            if read_guard.can_guard(p):
-                read_guard.attach(p, self._on_pending_read)
         return not unguardable
 
     def _register_live(self) -> None:
         """Lets the gradient utilities find this wrapper behind its parameters and pieces (``engine/grad_utils.py``)."""
-        self._registered = [*self._param_names, *self.grad_sync.pieces.values()]
-        self._live = weakref.ref(self, _forget)
+        self._registered = [*self.records.names, *self.records.pieces.values()]
         for t in self._registered:
-            _LIVE[id(t)] = self._live
-
-    def _on_pending_read(self, param: nn.Parameter, func: Callable) -> None:
-        self.param_sync.on_pending_read(param, func)
+            _LIVE[id(t)] = self
 
     def _register_forward_pre_hooks(self) -> list:
         """One pre-hook per module holding parameters: its buckets are ready before it runs. The buckets of marked
@@ -398,11 +369,11 @@ class LayerwiseDataParallel(nn.Module):
         ``engine/sharded.py``)."""
         handles = []
         order = {id(b): i for i, b in enumerate(self.param_sync.gather_order)}
-        by_layer = expert_buckets_by_layer(self.module, self._bucket_of, self._buckets, every=self.shard_parameters)
+        by_layer = expert_buckets_by_layer(self.module, self.records, self._buckets, every=self.shard_parameters)
         routed = {id(b) for buckets in by_layer.values() for b in buckets}
         for module in self.module.modules():
-            own = [b for b in map(self._bucket_of.get, module.parameters(recurse=False))
-                   if b is not None and id(b) not in routed]
+            own = [r.bucket for r in map(self.records.of, module.parameters(recurse=False))
+                   if r is not None and id(r.bucket) not in routed]
             buckets = list({id(b): b for b in own + by_layer.get(module, [])}.values())
             if buckets:
                 buckets.sort(key=lambda b: order[id(b)])
@@ -427,10 +398,9 @@ class LayerwiseDataParallel(nn.Module):
     def named_owned_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """What this rank steps, its whole parameters and its pieces of split ones (Note [pieces]), each with the
         name of the model parameter it is (part of)."""
-        for p, n in self._param_names.items():
-            unit = self.grad_sync.unit_of(p)
-            if unit is not None:
-                yield n, unit.tensor
+        for record in self.records:
+            if record.unit is not None:
+                yield record.name, record.unit.tensor
 
     def use_shards_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Puts this rank's pieces of split parameters in ``optimizer`` in place of the parameters.
@@ -439,12 +409,12 @@ class LayerwiseDataParallel(nn.Module):
         the optimizer skips it. Optimizer state created before the swap follows its parameter
         (sliced to the piece). See Note [pieces].
         """
-        pieces = self.grad_sync.pieces
+        pieces = self.records.pieces
         for group in optimizer.param_groups:
             group["params"] = [pieces.get(p, p) for p in group["params"]]
         for p, shard in pieces.items():
             if p in optimizer.state:
-                piece = self.grad_sync.unit_of(p).piece
+                piece = self.records[p].unit.piece
                 cut = {k: (v, piece.cut(v, p.shape)) for k, v in optimizer.state.pop(p).items()}
                 optimizer.state[shard] = {k: c.clone() if c is not v else v for k, (v, c) in cut.items()}
 
@@ -468,16 +438,23 @@ class LayerwiseDataParallel(nn.Module):
         self.grad_sync.finish()
 
     def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
-        """Declares ``master`` the float32 tensor the optimizer steps for ``tensor`` (``bf16-true``)."""
-        self.grad_sync.set_master(tensor, master)
-        _LIVE[id(master)] = self._live
+        """Declares ``master`` the float32 tensor the optimizer steps for ``tensor`` (``bf16-true``): it gets the
+        reduced gradient in float32 at each sync, so ``tensor``'s gradient is no longer added in place."""
+        self.records.set_master(tensor, master)
+        self.grad_sync.hook_gradients()
+        _LIVE[id(master)] = self
         self._registered.append(master)
 
     # --- the parameter side (ParameterSync) --------------------------------------------------------------------
     def start_param_sync(self, force_sync: bool = False, tensors=None) -> None:
         """Starts all-gathering the buckets (those holding ``tensors``, the same set on every rank, if given)
         from each rank's shard of the param buffer (:meth:`ParameterSync.start`)."""
-        self.param_sync.start(None if tensors is None else self.grad_sync.buckets_of(tensors), force_sync)
+        self.param_sync.start(None if tensors is None else self._buckets_of(tensors), force_sync)
+
+    def _buckets_of(self, tensors) -> list[Bucket]:
+        """The buckets holding any of ``tensors`` (parameters, pieces or masters), in all-gather order."""
+        wanted = {id(r.bucket) for r in map(self.records.of, tensors) if r is not None}
+        return sorted((b for b in self._buckets if id(b) in wanted), key=lambda b: b.first_param)
 
     def forward(self, *args, **kwargs):
         if torch.compiler.is_compiling():
@@ -552,8 +529,8 @@ class LayerwiseDataParallel(nn.Module):
         self.param_sync.finish()
         names = {p: n for n, p in self.module.named_parameters()}  # frozen ones too: never all-gathered
         if not self.param_sync.holds_whole:  # each rank holds its own shard of the rest: nothing to compare
-            names = {p: n for p, n in names.items() if p not in self._param_names}
-        replica_check.check_replicas(names, group, self._bucket_of, self.expert_names, self.ranks.expert_parallel_size)
+            names = {p: n for p, n in names.items() if p not in self.records.names}
+        replica_check.check_replicas(names, group, self.records, self.expert_names, self.ranks.expert_parallel_size)
 
     def release(self, wait: bool = True, whole: bool = True) -> nn.Module:
         """Waits for pending all-gathers, removes every hook and gives parameters their own storage.

@@ -1,10 +1,10 @@
-"""What the gradient side knows of each parameter: its gradient record, and what this rank steps of it.
+"""The gradient parts of a parameter's record (Note [the per-parameter record] in ``engine/param_records.py``).
 
 :class:`GradRecord` is one parameter's gradient path (its slot of the grad buffer, the ``.grad`` autograd adds
 into, the hooks) and what arrived of it in this accumulation; :class:`GradUnit` is what this rank steps of a
 parameter (the parameter whole, or its piece of a split one, and a float32 master) and where its reduced gradient
-lives. :class:`~lightning_layerwise.engine.grad_sync.GradientSync` builds and moves both (Note [gradient
-lifecycle] and Note [in-place gradients] in ``engine/grad_sync.py``).
+lives. The wrapper builds both with the record; :class:`~lightning_layerwise.engine.grad_sync.GradientSync` moves
+them (Note [gradient lifecycle] and Note [in-place gradients] in ``engine/grad_sync.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class GradUnit:
     """``tensor`` is a piece of a split parameter (Note [pieces] in ``engine/data_parallel.py``)."""
     master: torch.Tensor | None = None
     """A float32 master the optimizer steps in place of ``tensor`` (``bf16-true``), set by
-    :meth:`GradientSync.set_master`."""
+    :meth:`~lightning_layerwise.engine.param_records.ParamRecords.set_master`."""
     piece: Piece | None = None
     """With ``split``: where the piece lies in ``param``, as the layout plans it."""
 
@@ -60,9 +60,9 @@ class GradUnit:
 
 
 class GradRecord:
-    """One parameter's gradient path and what arrived of it this accumulation, bound to its hook so the hook looks
-    nothing up (Note [in-place gradients] in ``engine/grad_sync.py``); flags here, not sets of parameters: a tensor
-    hashes in Python."""
+    """One parameter's gradient path and what arrived of it this accumulation, bound (with its record) to its hook
+    so the hook looks nothing up (Note [in-place gradients] in ``engine/grad_sync.py``); flags here, not sets of
+    parameters: a tensor hashes in Python."""
 
     __slots__ = ("param", "view", "grad", "bucket", "inplace", "assigned", "version", "seen", "carried", "handed",
                  "split_flag", "hook", "split_grad", "split_hook")

@@ -9,8 +9,8 @@ steps (its units: whole parameters, pieces, float32 masters; Note [pieces] in
 ``engine/data_parallel.py``, Note [gradient lifecycle]), and the collective reductions over it
 (finite check, norms: ``engine/clip_reductions.py``). A split parameter's ``.grad`` marks that
 it has a gradient without holding one (Note [split gradients] in ``engine/split_gradient.py``).
-It is built from buckets, gradient slots and a process
-group alone, and holds all of that state; the wrapper composes it with the parameter side.
+It is built from buckets, the parameter records (Note [the per-parameter record] in
+``engine/param_records.py``) and a process group alone; the wrapper composes it with the parameter side.
 
 Note [gradient lifecycle]
     Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
@@ -128,69 +128,60 @@ from .buffers import Bucket, GradState, free
 from .clip_reductions import ParameterLists, all_finite, shard_sum
 from .grad_records import GradRecord, GradUnit
 from .live_wrappers import _SYNCS
+from .param_records import ParamRecord, ParamRecords
 from .split_gradient import SplitGradient, make_split_gradient
 from .waiter import Waiter
-from ..layout import Piece
 
 
 class GradientSync:
     """Gradient accumulation, reduction and hand-out over a set of buckets.
 
-    Built from the buckets alone, without a module wrapper; it holds every piece of gradient state (records,
-    units, carried gradients, the split flags) and moves the buckets' gradient states through their own methods
-    (Note [bucket states] in ``engine/buffers.py``).
+    Built from the buckets and the parameter records, without a module wrapper; it moves every piece of gradient
+    state (the records' gradient parts and units, carried gradients, the split flags) and the buckets' gradient
+    states through their own methods (Note [bucket states] in ``engine/buffers.py``).
 
     Args:
         buckets: every bucket, in layout order; their parameters are the ones this side tracks.
         flat_buffers: the buffers the buckets slice (zeroed together at each restart).
-        names: each parameter's name, for errors.
-        grad_views: each parameter's slot of its grad buffer, strided as the parameter.
-        owned: the parameters this rank steps whole.
-        split: every parameter stepped in pieces (Note [pieces] in ``engine/data_parallel.py``), on every rank.
-        pieces: this rank's piece of each split parameter it steps, its slot of the grad buffer, its layout Piece.
+        records: every trained parameter's record (Note [the per-parameter record] in ``engine/param_records.py``):
+            its gradient record, and what this rank steps of it.
         waiter: waits (errors, timing, tracing) shared with the parameter side.
         groups: the process groups; ``layout_group``: the group whose ranks own the dense pieces.
         experts: the names of expert parameters; ``expert_parallel_size``: ranks holding different experts.
         overlap_grad_reduce: dispatch a bucket's reduce-scatter as soon as its gradients are complete.
         before_reduce: called before the reductions are completed (the parameter side finishes its gathers).
-        sharded: sharded parameters (Note [sharded gradients]); then ``stepped_slots`` gives each parameter this
-            rank steps whole its slot of the bucket's gradient shard, ``on_backward`` is called at every
+        sharded: sharded parameters (Note [sharded gradients]); then ``on_backward`` is called at every
             gradient's arrival (the wrapper queues its end-of-backward callback), ``grads_done`` with a bucket
             whose parameters all received their gradient in a reducing backward, and at most
             ``reduces_in_flight`` full gradient buffers exist at once (filling or in flight).
     """
 
-    def __init__(self, buckets: list[Bucket], flat_buffers: list, names: dict[nn.Parameter, str],
-                 grad_views: dict[nn.Parameter, torch.Tensor], owned: set, split: list[nn.Parameter],
-                 pieces: dict[nn.Parameter, tuple[nn.Parameter, torch.Tensor, Piece]], waiter: Waiter, *, groups,
+    def __init__(self, buckets: list[Bucket], flat_buffers: list, records: ParamRecords, waiter: Waiter, *, groups,
                  layout_group=None, experts: frozenset = frozenset(), expert_parallel_size: int = 1,
                  overlap_grad_reduce: bool = True, before_reduce: Callable[[], None] = lambda: None,
-                 sharded: bool = False, stepped_slots: dict[nn.Parameter, torch.Tensor] | None = None,
-                 on_backward: Callable[[], None] = lambda: None, grads_done: Callable[[Bucket], None] = lambda b: None,
-                 reduces_in_flight: int = 2) -> None:
-        self._buckets, self.flat_buffers, self._param_names = buckets, flat_buffers, names
-        self.waiter, self.process_groups, self.layout_group = waiter, groups, layout_group
-        self.expert_parallel_size, self.overlap_grad_reduce = expert_parallel_size, overlap_grad_reduce
+                 sharded: bool = False, on_backward: Callable[[], None] = lambda: None,
+                 grads_done: Callable[[Bucket], None] = lambda b: None, reduces_in_flight: int = 2) -> None:
+        self._buckets, self.flat_buffers, self._records = buckets, flat_buffers, records
+        self.waiter, self._groups, self.layout_group = waiter, groups, layout_group
+        self._expert_parallel_size, self._overlap_grad_reduce = expert_parallel_size, overlap_grad_reduce
         self._before_reduce = before_reduce
-        self.sharded, self._on_backward, self._grads_done = sharded, on_backward, grads_done
+        self._sharded, self._on_backward, self._grads_done = sharded, on_backward, grads_done
         self._reduces_in_flight = reduces_in_flight
         self._reducing: list[Bucket] = []  # sharded: reduce-scatters in flight, oldest first
         self._unreduced = False  # sharded: local gradients arrived since the last flush
         self._flushed = False  # sharded: a reducing backward reduced every bucket since the restart
-        self._bucket_of = {p: b for b in buckets for p in b.params}
         self._gather_order = sorted(buckets, key=lambda b: b.first_param)
         self._reduce_order = list(reversed(self._gather_order))
-        self._pieces = {p: piece for p, (piece, *_) in pieces.items()}
         # Whether each split parameter got a gradient here this step, kept on the device so that agreeing on it
         # (Note [pieces] in ``engine/data_parallel.py``) needs no host transfer; set by the gradient hook, zeroed with
         # the buffers.
+        split = [r for r in records if r.slot.split]
         self._split_by_group = [(ps, group) for ps, group in (
-            ([p for p in split if names[p] not in experts], groups.dp),
-            ([p for p in split if names[p] in experts], groups.expert_group)) if ps]
+            ([r.param for r in split if r.name not in experts], groups.dp),
+            ([r.param for r in split if r.name in experts], groups.expert_group)) if ps]
         self._split_flags = [torch.zeros(len(ps), device=self._device()) for ps, _ in self._split_by_group]
         self._flag_reduces: list[collectives.Collective] = []  # their all-reduces in flight, one per group
-        self.parameter_lists = ParameterLists(names, self.unit_of, self.layout_parameter_of, self.is_expert,
-                                              self._device)
+        self.parameter_lists = ParameterLists(records, self._device)
         """The lists of parameters a norm is given, and their votes (Note [parameter lists] in ``engine/clip.py``)."""
         self._micro_batch_is_last = True
         self._grads_handed_out = False
@@ -203,23 +194,13 @@ class GradientSync:
         self._side_stream = collectives.SideStream()
         self.synced_at = 0
         """When this side last handed out reduced gradients, in this process's count of syncs (0: never)."""
-        # What this rank steps, in registration order (Note [gradient lifecycle]).
-        self._records = {p: GradRecord(p, grad_views[p], self._bucket_of[p]) for p in names}
+        self._gradients = [r.gradient for r in records]
         for (ps, _), flags in zip(self._split_by_group, self._split_flags):
             for i, p in enumerate(ps):
-                self._records[p].split_flag = flags[i]
-        slots = stepped_slots if stepped_slots is not None else grad_views
-        self.stepped_whole = frozenset(owned)
-        """The parameters this rank steps whole."""
-        self._units = [GradUnit(p, p, slots[p], self._bucket_of[p], self._records[p]) if p in owned else
-                       GradUnit(p, *pieces[p][:2], self._bucket_of[p], self._records[p], split=True,
-                                piece=pieces[p][2])
-                       for p in names if p in owned or p in pieces]
-        self._unit_of: dict[torch.Tensor, GradUnit] = {u.tensor: u for u in self._units}
-        self._unit_of.update((u.param, u) for u in self._units)
-        self._stepped_apart: dict[nn.Parameter, GradUnit] = {}  # units whose optimizer tensor is not the param
+                records[p].gradient.split_flag = flags[i]
         self._unhooked: list[GradRecord] = []  # in-place gradients on one process: no hook (Note [in-place gradients])
-        self._refresh_stepped_apart()  # registers the gradient hooks
+        self._units_stepped_apart: list[GradUnit] = []  # units whose optimizer tensor is not the parameter
+        self.hook_gradients()
         self._mark_split_gradients()
         self._copies: set[int] = set()  # gradients the last sync handed out as copies (another dtype)
         # By storage object, not address: a sharded bucket's gradient shard is freed and allocated again.
@@ -253,21 +234,22 @@ class GradientSync:
             self._flag_reduces = []
             for bucket in self._buckets:
                 bucket.abandon()
-        for rec in self._records.values():
+        for rec in self._gradients:
             for handle in (rec.hook, rec.split_hook):
                 if handle is not None:
                     handle.remove()
             rec.hook = rec.split_hook = rec.split_grad = None
         self._unhooked = []
         with torch.no_grad():
-            for p in self._param_names:
-                p.grad = None
-                if hasattr(p, "main_grad"):
-                    del p.main_grad
-            for shard in self._pieces.values():
+            for rec in self._gradients:
+                rec.param.grad = None
+                if hasattr(rec.param, "main_grad"):
+                    del rec.param.main_grad
+            for shard in self._records.pieces.values():
                 shard.grad = None
                 shard.data = shard.data.clone()  # no longer a view of the freed buffer
-        self._units, self._unit_of, self._stepped_apart, self._carry = [], {}, {}, []
+        self._records.release()
+        self._units_stepped_apart, self._carry = [], []
         self._grads_handed_out = False
         if wait:  # the wrapper's callbacks go: no cycle keeps its buffers (after a failure, see Note [sharded release])
             self._before_reduce = self._on_backward = self._grads_done = lambda *_: None
@@ -311,7 +293,7 @@ class GradientSync:
         self._wait_pending_reduces()
         carried: list[GradUnit] = []
         if carry and self._grads_handed_out:
-            for unit in self._units:
+            for unit in self._records.units:
                 grad = unit.stepped.grad
                 if grad is None:
                     continue
@@ -324,11 +306,12 @@ class GradientSync:
             keep = {id(u) for u in carried}
             for bucket in {u.bucket: None for u in carried}:
                 own = self.own_shard(bucket)
-                for unit in self._units:
+                for unit in self._records.units:
                     if unit.bucket is bucket and id(unit) not in keep:
                         unit.slot.zero_()  # a cleared gradient is not carried
                 self._carry.append((own, own.clone()))
-        for p, rec in self._records.items():
+        for rec in self._gradients:
+            p = rec.param
             # Note [in-place gradients]: autograd adds the next gradients straight into the (zeroed) slot.
             rec.assigned = assign and rec.inplace and p.requires_grad
             p.grad = rec.grad if rec.assigned else None
@@ -339,7 +322,7 @@ class GradientSync:
                 del p.main_grad
         for unit in carried:
             unit.record.carried = True
-        for unit in self._stepped_apart.values():  # pieces and masters: the other units are parameters
+        for unit in self._units_stepped_apart:  # pieces and masters: the other units are parameters
             for t in (unit.tensor, unit.master):
                 if t is not None and t is not unit.param:
                     t.grad = None
@@ -350,7 +333,7 @@ class GradientSync:
             flat.grads.zero_()
         for b in self._buckets:
             b.grad.restart()
-            if self.sharded:
+            if self._sharded:
                 b.grad.drop_full()
                 b.grad.drop_shard()  # carried values are in self._carry, added back after the reduction
         self._reducing, self._unreduced, self._flushed = [], False, False
@@ -407,8 +390,9 @@ class GradientSync:
         if rec.param.grad is rec.split_grad:
             self.prepare_backward()
 
-    def _on_grad_ready(self, param: nn.Parameter, rec: GradRecord) -> None:
-        if self.sharded:
+    def _on_grad_ready(self, param: nn.Parameter, record: ParamRecord) -> None:
+        rec = record.gradient
+        if self._sharded:
             self._on_backward()
         grad = param.grad
         in_place = grad is rec.grad and rec.assigned  # autograd added into the slot (Note [in-place gradients])
@@ -417,7 +401,7 @@ class GradientSync:
         if self._grads_handed_out:
             if grad is not None and grad is rec.handed:
                 raise RuntimeError(
-                    f"a backward started while {self._param_names[param]!r} still held the gradient of the last "
+                    f"a backward started while {record.name!r} still held the gradient of the last "
                     "sync, without the strategy's backward (fabric.backward, self.manual_backward) or "
                     "wrapper.prepare_backward() before it, so autograd added the new gradient into the reduced "
                     "one. Run backward through the strategy, call wrapper.prepare_backward() before "
@@ -429,18 +413,17 @@ class GradientSync:
             return
         if grad.is_sparse:
             raise RuntimeError(
-                f"{self._param_names[param]!r} received a sparse gradient (an embedding looked up with "
+                f"{record.name!r} received a sparse gradient (an embedding looked up with "
                 "sparse=True); strategy='layerwise' reduces dense gradient buckets. Use sparse=False.")
         if not rec.inplace:
-            apart = self._stepped_apart.get(param)
-            if apart is not None and not apart.stepped.requires_grad:
+            unit = record.unit
+            if unit is not None and unit.stepped is not param and not unit.stepped.requires_grad:
                 # Switched off on the optimizer's tensor (toggle_optimizer): see Note [gradient lifecycle].
                 return
         bucket = rec.bucket
         if bucket.grad.state is not GradState.ACCUMULATING:
-            name = self._param_names[param]
             raise RuntimeError(
-                f"a gradient for {name!r} arrived after its bucket was reduced in the same backward (a "
+                f"a gradient for {record.name!r} arrived after its bucket was reduced in the same backward (a "
                 "reentrant activation checkpoint, or a second backward inside one); use non-reentrant "
                 "checkpointing (use_reentrant=False)."
             )
@@ -450,7 +433,7 @@ class GradientSync:
                 self._any_seen = True  # once: nn.Module.__setattr__ is a Python call
             if rec.split_flag is not None:
                 rec.split_flag.fill_(1.0)
-        if self.sharded:  # Note [sharded gradients]: autograd's gradient may be the full buffer itself
+        if self._sharded:  # Note [sharded gradients]: autograd's gradient may be the full buffer itself
             self._unreduced = True
             in_place = self._micro_batch_is_last and bucket.grad.take(grad)
             if not bucket.grad.full_held:  # a new full buffer: the oldest in flight is folded in first
@@ -471,9 +454,9 @@ class GradientSync:
             return
         bucket.grad.ready.add(id(param))
         if bucket.grad.complete:
-            if self.sharded:
+            if self._sharded:
                 self._grads_done(bucket)
-            if self.overlap_grad_reduce:
+            if self._overlap_grad_reduce:
                 self._dispatch_ready_reduces()
 
     def _dispatch_ready_reduces(self, force: bool = False) -> None:
@@ -486,12 +469,12 @@ class GradientSync:
             self._next_reduce += 1
 
     def _dispatch_reduce(self, bucket: Bucket) -> None:
-        if self.sharded:
+        if self._sharded:
             self._fold_beyond(self._reduces_in_flight - 1)  # each holds a full gradient buffer
             bucket.grad.ensure_full()  # a bucket no gradient reached here still takes part
         bucket.grad.start_reduce()
         self.waiter.trace("rs_dispatch", bucket)
-        if self.sharded:  # its fold issues the cross-group reduce (Note [sharded gradients])
+        if self._sharded:  # its fold issues the cross-group reduce (Note [sharded gradients])
             self._reducing.append(bucket)
             return
         for earlier in self._replica_queue:  # Note [replica reduce in backward]
@@ -550,7 +533,7 @@ class GradientSync:
         self.prepare_backward()  # a reducing backward that gave this rank no gradient still takes part
         self._collect_unhooked()
         self._before_reduce()
-        if self.sharded:
+        if self._sharded:
             self._finish_sharded()
         else:
             self._finish_reductions()
@@ -558,10 +541,10 @@ class GradientSync:
             own.add_(carried)
         self._carry = []
         used = self._split_parameters_used()
-        for param, rec in self._records.items():
-            param.grad = None
+        for rec in self._gradients:
+            rec.param.grad = None
             rec.assigned = False
-        for unit in self._units:
+        for unit in self._records.units:
             rec = unit.record
             if unit.split:
                 if not used[unit.param]:
@@ -589,7 +572,7 @@ class GradientSync:
         self._start_flag_reduces()
         for bucket in self._buckets:
             if bucket.expert:  # the expert data-parallel mean (Note [expert parallelism] in engine/process_groups.py)
-                self.own_shard(bucket).div_(self.expert_parallel_size)
+                self.own_shard(bucket).div_(self._expert_parallel_size)
             bucket.grad.mark_reduced()
 
     def _finish_reductions(self) -> None:
@@ -614,7 +597,7 @@ class GradientSync:
             if bucket.expert:
                 # Note [expert parallelism] in ``engine/process_groups.py``: the expert data-parallel mean, over the E
                 # ranks that sent tokens.
-                self.own_shard(bucket).div_(self.expert_parallel_size)
+                self.own_shard(bucket).div_(self._expert_parallel_size)
             bucket.grad.finish_reduce()
 
     def _hand_out(self, unit: GradUnit) -> None:
@@ -634,53 +617,34 @@ class GradientSync:
             if slot.dtype != torch.float32:
                 self._copies.add(id(unit.master.grad))
 
-    # --- the optimizer's side of each unit ----------------------------------------------------------
-    def set_master(self, tensor: torch.Tensor, master: torch.Tensor) -> None:
-        """Declares ``master`` the tensor the optimizer steps for ``tensor`` (an owned parameter or piece):
-        it gets the reduced gradient in float32 at each sync (``bf16-true``, :class:`MasterWeights`)."""
-        unit = self._unit_of[tensor]
-        unit.master = master
-        self._unit_of[master] = unit
-        self._refresh_stepped_apart()
-
+    # --- the gradient hooks ----------------------------------------------------------------------------------------
     def _mark_split_gradients(self) -> None:
         """Each split parameter this rank steps a piece of gets its ``.grad`` marker and the hook that clears it
         (Note [split gradients] in ``engine/split_gradient.py``)."""
-        for unit in self._units:
-            if unit.split:
-                rec = unit.record
-                rec.split_grad = make_split_gradient(unit.param, self._param_names[unit.param])
-                rec.split_hook = unit.param.register_hook(functools.partial(self._before_split_accumulation, rec=rec))
+        for record in self._records:
+            if record.piece is not None:
+                rec = record.gradient
+                rec.split_grad = make_split_gradient(record.param, record.name)
+                rec.split_hook = record.param.register_hook(functools.partial(self._before_split_accumulation, rec=rec))
 
-    def _refresh_stepped_apart(self) -> None:
-        """Which parameters' gradients autograd adds in place, and which need the gradient hook for that."""
-        self._stepped_apart = {u.param: u for u in self._units if u.stepped is not u.param}
-        for p, rec in self._records.items():
+    def hook_gradients(self) -> None:
+        """Decides whose gradients autograd adds in place, and hooks the parameters whose gradient needs the hook
+        (Note [in-place gradients]); run again when a master takes a parameter's place in the optimizer
+        (:meth:`~lightning_layerwise.engine.param_records.ParamRecords.set_master`)."""
+        self._units_stepped_apart = [u for u in self._records.units if u.stepped is not u.param]
+        for record in self._records:
+            p, rec, unit = record.param, record.gradient, record.unit
+            stepped_apart = unit is not None and unit.stepped is not p
             # sharded: the full gradient buffer exists only from a bucket's first gradient (Note [sharded gradients])
-            rec.inplace = not self.sharded and rec.view.dtype == p.dtype and p not in self._stepped_apart
+            rec.inplace = not self._sharded and rec.view.dtype == p.dtype and not stepped_apart
             # Note [in-place gradients]: one process reduces nothing, so an in-place gradient needs no hook.
-            hooked = not (rec.inplace and self.process_groups.dp is None)
+            hooked = not (rec.inplace and self._groups.dp is None)
             if hooked and rec.hook is None:
-                rec.hook = p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, rec=rec))
+                rec.hook = p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, record=record))
             elif not hooked and rec.hook is not None:
                 rec.hook.remove()
                 rec.hook = None
-        self._unhooked = [rec for rec in self._records.values() if rec.hook is None]
-
-    def owns(self, param: nn.Parameter) -> bool:
-        """Whether this rank steps all of ``param``."""
-        unit = self._unit_of.get(param)
-        return unit is not None and unit.param is param and not unit.split
-
-    def piece_of(self, param: nn.Parameter) -> nn.Parameter | None:
-        """This rank's piece of split parameter ``param`` (Note [pieces] in ``engine/data_parallel.py``), or
-        ``None``."""
-        return self._pieces.get(param)
-
-    @property
-    def pieces(self) -> dict[nn.Parameter, nn.Parameter]:
-        """Each split parameter this rank steps a piece of, and that piece."""
-        return dict(self._pieces)
+        self._unhooked = [rec for rec in self._gradients if rec.hook is None]
 
     def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
@@ -692,8 +656,9 @@ class GradientSync:
     def clear_stepped_grad(self, param: nn.Parameter, set_to_none: bool = True) -> None:
         """``param.grad`` was cleared: clear the gradient of the tensor the optimizer holds in its place (a piece,
         a master), as ``optimizer.zero_grad`` would (Note [gradient lifecycle])."""
-        unit = self._stepped_apart.get(param)
-        if unit is None:
+        record = self._records.of(param)
+        unit = record.unit if record is not None and record.param is param else None
+        if unit is None or unit.stepped is param:
             return
         stepped = unit.stepped
         if stepped.grad is None:
@@ -704,35 +669,10 @@ class GradientSync:
             stepped.grad.requires_grad_(False)
             stepped.grad.zero_()
 
-    def is_expert(self, param: nn.Parameter) -> bool:
-        """Whether ``param`` is an expert parameter reduced over its expert data-parallel group."""
-        bucket = self._bucket_of.get(param)
-        return bucket is not None and bucket.expert
-
-    def unit_of(self, tensor: torch.Tensor) -> GradUnit | None:
-        """What this rank steps of ``tensor`` (a parameter, a piece or a master), or ``None`` if nothing."""
-        return self._unit_of.get(tensor)
-
-    def trains(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is one this wrapper trains: a parameter in its layout, a piece or a master."""
-        return tensor in self._param_names or tensor in self._unit_of
-
     @property
     def grads_synced(self) -> bool:
         """True from :meth:`finish` until the next backward restarts accumulation."""
         return self._grads_handed_out
-
-    def buckets_of(self, tensors) -> list[Bucket]:
-        """The buckets holding any of ``tensors`` (parameters, pieces or masters), in all-gather order."""
-        wanted = set()
-        for t in tensors:
-            bucket = self._bucket_of.get(t)
-            if bucket is None:
-                unit = self._unit_of.get(t)
-                bucket = unit.bucket if unit is not None else None
-            if bucket is not None:
-                wanted.add(id(bucket))
-        return [b for b in self._gather_order if id(b) in wanted]
 
     def _split_parameters_used(self) -> dict[nn.Parameter, bool]:
         """Whether each split parameter got a gradient on any rank this step (one small all-reduce, started by
@@ -745,7 +685,7 @@ class GradientSync:
         used = {}
         for (params, _), flags, flags_reduce in zip(self._split_by_group, self._split_flags, self._flag_reduces):
             # experts: only their expert data-parallel ranks hold them
-            if all(self._records[p].seen for p in params):
+            if all(self._records[p].gradient.seen for p in params):
                 # A maximum is 1 where ours is: no read back and no wait (the next restart waits).
                 used.update((p, True) for p in params)
             else:
@@ -761,7 +701,7 @@ class GradientSync:
     def grads_are_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (``all_finite`` in ``engine/clip_reductions.py``, over
         this rank's shards: one all-reduce; after :meth:`finish`)."""
-        return all_finite((self.own_shard(b) for b in self._buckets), self._device(), self.process_groups.dp)
+        return all_finite((self.own_shard(b) for b in self._buckets), self._device(), self._groups.dp)
 
     def grad_norm_squared(self) -> torch.Tensor:
         """Sum of squares of the full reduced gradient, from owned shards (one all-reduce).
@@ -771,30 +711,17 @@ class GradientSync:
         """
         return self.shard_sum(lambda shard: shard.float().square().sum())
 
-    # --- lists of parameters (clipping) --------------------------------------------------------------------
-    def layout_parameter_of(self, tensor: torch.Tensor) -> nn.Parameter | None:
-        """The model parameter ``tensor`` is, or is this rank's piece or master of; ``None`` outside the layout."""
-        if tensor in self._param_names:
-            return tensor
-        unit = self._unit_of.get(tensor)
-        return unit.param if unit is not None else None
-
-    @property
-    def owned_units(self) -> list[GradUnit]:
-        """Everything this rank steps, in registration order (Note [gradient lifecycle])."""
-        return self._units
-
     def shard_sum(self, fn: Callable[[torch.Tensor], torch.Tensor], units: list[GradUnit] | None = None,
                   extra: torch.Tensor | None = None) -> torch.Tensor:
         """``fn`` (a float32 scalar per gradient shard) summed over the whole reduced gradient, once per element
         (:func:`~lightning_layerwise.engine.clip_reductions.shard_sum`).
 
-        ``units`` (each rank its own, :meth:`unit_of`): sum ``fn`` of those units' gradients
+        ``units`` (each rank its own, ``ParamRecord.unit``): sum ``fn`` of those units' gradients
         instead of whole shards, i.e. the part of the gradient a set of parameters holds.
         ``extra`` (float32, on the buffers' device) is summed over the data-parallel group in the same
         all-reduce, in place. Collective (one all-reduce, two with expert parallelism).
         """
         parts = ((self.own_shard(b), b.expert) for b in self._buckets) if units is None \
             else ((u.slot, u.bucket.expert) for u in units)
-        return shard_sum(parts, fn, self._device(), self.layout_group, self.process_groups.dp,
-                         self.expert_parallel_size, self.waiter, extra)
+        return shard_sum(parts, fn, self._device(), self.layout_group, self._groups.dp,
+                         self._expert_parallel_size, self.waiter, extra)

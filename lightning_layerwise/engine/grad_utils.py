@@ -84,10 +84,6 @@ class GradientUtilities:
     def release(self) -> None:
         self._finalizer()
 
-    @property
-    def held(self) -> bool:
-        return self._finalizer.alive
-
     def __enter__(self) -> "GradientUtilities":
         return self
 
@@ -196,7 +192,7 @@ def _clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fal
     wrapper = synced_wrapper(params)
     if wrapper is None:
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    foreign = [p for p in params if not wrapper.grad_sync.trains(p)]
+    foreign = [p for p in params if wrapper.records.of(p) is None]
     total = clip.grad_norm(wrapper, norm_type, parameters=params)
     foreign_grads = [p.grad for p in foreign if p.grad is not None]
     if foreign_grads:  # tensors the wrapper does not train: this rank's own values, as torch computes them
@@ -223,7 +219,7 @@ def _clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=None):
     if wrapper is None:
         return original(params, max_norm, total_norm, foreach)
     clip.scale_grads_by_norm_(wrapper, max_norm, total_norm, parameters=params)
-    foreign = [p for p in params if not wrapper.grad_sync.trains(p)]
+    foreign = [p for p in params if wrapper.records.of(p) is None]
     if foreign:
         original(foreign, max_norm, total_norm, foreach)
     return None
@@ -238,7 +234,7 @@ def _clip_grad_value_(parameters, clip_value, foreach=None):
     if wrapper is None:
         return original(params, clip_value, foreach)
     clip.clip_grad_value_(wrapper, clip_value, parameters=params)
-    foreign = [p for p in params if not wrapper.grad_sync.trains(p)]
+    foreign = [p for p in params if wrapper.records.of(p) is None]
     if foreign:
         original(foreign, clip_value, foreach)
     return None
@@ -287,11 +283,12 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
     kinds: dict[bool, list] = {False: [], True: []}  # expert? -> [(name, local value, has gradient)]
     local_norms: dict[str, torch.Tensor] = {}
     for name, param in named:
-        if not wrapper.grad_sync.trains(param):
+        record = wrapper.records.of(param)
+        if record is None:
             if param.grad is not None:  # not trained by the wrapper: this rank's value, as Lightning computes it
                 local_norms[name] = param.grad.detach().norm(p)
             continue
-        unit = wrapper.grad_sync.unit_of(param)
+        unit = record.unit
         held = unit is not None and unit.stepped.grad is not None
         if held:
             g = unit.slot.detach().float()
@@ -299,7 +296,7 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
                                                                   else torch.zeros((), device=g.device))
         else:
             value = torch.zeros((), device=device)
-        expert = wrapper.grad_sync.is_expert(param)
+        expert = record.bucket.expert
         kinds[expert].append((name, value.to(device), 1.0 if held else 0.0))
     out: dict[str, torch.Tensor] = {}
     for expert, entries in kinds.items():

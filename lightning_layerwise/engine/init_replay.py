@@ -38,9 +38,6 @@ class ReplayPlan:
     problems: list[str]
     """Ops that cannot be replayed at all; a model with any is refused."""
 
-    def value(self, key: int) -> str:
-        return self.state.get(key, NONE)
-
 
 def plan_replay(ops: list[Op], roots: set[int], device: torch.device) -> ReplayPlan:
     """The plan for replaying ``ops`` on ``device`` so that the storages ``roots`` hold their eager values."""

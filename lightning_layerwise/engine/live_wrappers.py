@@ -3,9 +3,9 @@
 torch's gradient utilities (``engine/grad_utils.py``), Lightning's ``grad_norm`` (``lightning/grad_norm.py``)
 and QK-clip (``engine/qk_clip.py``) are handed tensors, not a wrapper: they look the wrapper up here. A wrapper
 (``engine/data_parallel.py``) enters its parameters and pieces when it is built and each master when it is set,
-and leaves at its ``release``, or when it is garbage-collected without one. The wrappers are typed here as the
-modules they are: ``data_parallel.py`` imports this module, so this one does not import it back, not even for
-its types (``tests/package/test_layers.py``).
+and leaves at its ``release``, or when it is garbage-collected without one (the registry holds it weakly). The
+wrappers are typed here as the modules they are: ``data_parallel.py`` imports this module, so this one does not
+import it back, not even for its types (``tests/package/test_layers.py``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ from torch import nn
 
 __all__ = ["any_live", "live_wrappers", "wrapper_of"]
 
-_LIVE: dict[int, "weakref.ref[nn.Module]"] = {}
-"""``id(tensor)`` -> the live wrapper that trains it (its parameters, pieces and masters). Lets torch's
-gradient utilities find the wrapper behind the tensors they are given (``grad_utils.py``)."""
-
-
-def _forget(ref: "weakref.ref[nn.Module]") -> None:
-    """A wrapper was collected without :meth:`~LayerwiseDataParallel.release`: its entries in :data:`_LIVE` go too."""
-    for key in [key for key, value in _LIVE.items() if value is ref]:
-        del _LIVE[key]
+_LIVE: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+"""``id(tensor)`` -> the live wrapper that trains it (its parameters, pieces and masters), held weakly: a wrapper
+collected without :meth:`~LayerwiseDataParallel.release` leaves no entry. The wrapper holds those tensors, so no
+id is reused while its entry stands. Lets torch's gradient utilities find the wrapper behind the tensors they are
+given (``grad_utils.py``)."""
 
 
 _SYNCS = itertools.count(1)
@@ -38,12 +34,10 @@ def any_live() -> bool:
 
 
 def live_wrappers() -> list[nn.Module]:
-    """Every wrapper with an entry in :data:`_LIVE` that is still alive."""
-    refs = {id(ref): ref for ref in list(_LIVE.values())}  # by identity: a dead weak reference cannot be hashed
-    return [w for w in (ref() for ref in refs.values()) if w is not None]
+    """Every wrapper with an entry in :data:`_LIVE`."""
+    return list({id(w): w for w in _LIVE.values()}.values())
 
 
 def wrapper_of(tensor) -> nn.Module | None:
     """The live wrapper training ``tensor`` (a parameter in its layout, a piece or a master), else ``None``."""
-    ref = _LIVE.get(id(tensor))
-    return ref() if ref is not None else None
+    return _LIVE.get(id(tensor))

@@ -30,28 +30,25 @@ class MasterWeights:
         self.rename = rename
         """Parameter name -> checkpoint name (identity but for experts)."""
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        self._swap: dict[torch.Tensor, torch.nn.Parameter] = {}
+        self.master_of: dict[torch.Tensor, torch.nn.Parameter] = {}
+        """The master the optimizers hold in place of each owned low-precision parameter or piece."""
         self.names: dict[torch.Tensor, str] = {}
         for name, p in wrapper.named_owned_parameters():
             if p.dtype in (torch.bfloat16, torch.float16):
                 master = torch.nn.Parameter(p.detach().float().clone(), requires_grad=p.requires_grad)
-                self._swap[p] = master
+                self.master_of[p] = master
                 self.pairs.append((p, master))
                 self.names[master] = name
                 wrapper.set_master(p, master)  # the wrapper hands it the float32 gradient at each sync
 
     def use_in(self, optimizer: torch.optim.Optimizer) -> None:
         """Puts the masters in ``optimizer`` in place of their parameters; state created before follows."""
-        swap = self._swap
+        swap = self.master_of
         for group in optimizer.param_groups:
             group["params"] = [swap.get(p, p) for p in group["params"]]
         for p, master in swap.items():
             if p in optimizer.state:
                 optimizer.state[master] = optimizer.state.pop(p)
-
-    def stepped(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The master the optimizers hold in place of ``tensor`` (an owned parameter or piece), else ``tensor``."""
-        return self._swap.get(tensor, tensor)
 
     @property
     def numel(self) -> int:
@@ -88,6 +85,6 @@ class MasterWeights:
                 value = state[key]
                 if value.numel() != master.numel():  # a full master; this rank steps a piece of it
                     slot = self.wrapper.layout.params[name]
-                    value = self.wrapper.grad_sync.unit_of(p).piece.cut(value, slot.shape)
+                    value = self.wrapper.records.of(p).unit.piece.cut(value, slot.shape)
                 master.copy_(value.reshape(master.shape))
         self.write_back()

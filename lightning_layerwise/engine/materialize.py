@@ -138,7 +138,7 @@ class _Materialization:
         return job
 
     def value(self, key: int) -> str:
-        return self.plan.value(key) if self.plan is not None else NONE
+        return self.plan.state.get(key, NONE) if self.plan is not None else NONE
 
     def _classify(self) -> None:
         """Finds the modules of the reset route; raises naming what cannot be reproduced."""

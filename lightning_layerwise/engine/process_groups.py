@@ -107,10 +107,6 @@ class ProcessGroups:
         return 1 if self.dp is None else dist.get_world_size(self.dp)
 
     @property
-    def dp_rank(self) -> int:
-        return 0 if self.dp is None else dist.get_rank(self.dp)
-
-    @property
     def owner_group(self) -> ProcessGroup | None:
         """The group gradients are reduce-scattered over and shards are owned in."""
         return self.owner if self.owner is not None else self.dp
@@ -164,7 +160,8 @@ class ProcessGroups:
         return self.dp_all_gather is not None and self.dp_all_gather is not self.owner_group
 
     def destroy(self) -> None:
-        """Destroys the groups (each once), so no communicator or thread outlives its training run.
+        """Destroys the groups (each once), so no communicator or thread outlives its training run; what was
+        probed of them (Note [averaging] in ``engine/collectives.py``) goes with them.
 
         For groups made by :meth:`create`; the caller must not use them afterwards.
         Every rank calls it after its last collective on them.
@@ -310,7 +307,8 @@ class Ranks:
     @classmethod
     def of(cls, groups: "ProcessGroups") -> "Ranks":
         replicas = groups.dp_size // groups.owner_size if groups.replica is not None else 1
-        common = dict(dp_size=groups.dp_size, dp_rank=groups.dp_rank, owner_size=groups.owner_size,
+        dp_rank = 0 if groups.dp is None else dist.get_rank(groups.dp)
+        common = dict(dp_size=groups.dp_size, dp_rank=dp_rank, owner_size=groups.owner_size,
                       owner_rank=groups.owner_rank, replicas=replicas,
                       layout_rank=groups.replica_rank * groups.owner_size + groups.owner_rank,
                       expert_parallel_size=groups.expert_parallel_size)

@@ -203,7 +203,8 @@ class QKClip:
         if wrapper is None:
             target, piece = param, None
         else:
-            unit = wrapper.grad_sync.unit_of(param)
+            record = wrapper.records.of(param)
+            unit = record.unit if record is not None else None
             if unit is None:  # another rank steps it
                 return
             target, piece = unit.stepped, unit.piece

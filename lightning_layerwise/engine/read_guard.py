@@ -47,6 +47,7 @@ from typing import Callable, Literal
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 ReadGuard = Literal["wait", "strict", "off"]
 READ_GUARDS: tuple[str, ...] = ("wait", "strict", "off")
@@ -83,9 +84,10 @@ def _metadata_functions() -> frozenset:
 METADATA_FUNCTIONS = _metadata_functions()
 """Tensor operations that read no element (also what a split gradient allows, ``split_gradient.SplitGradient``)."""
 _calls = 0  # operations that read a pending parameter so far: see call_index()
-_ON_READ: dict[int, weakref.WeakMethod] = {}
-"""``id(param)`` -> the wrapper's ``callback(param, func)`` that makes it current or raises. Kept out of the
-parameter itself so that ``copy.deepcopy`` and pickling of a model never reach the wrapper."""
+_ON_READ: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Each guarded parameter (held weakly, by identity) -> its parameter side's ``callback(param, func)`` that makes
+it current or raises. Kept out of the parameter itself so that ``copy.deepcopy`` and pickling of a model never
+reach the wrapper."""
 
 
 class PendingParameter(nn.Parameter):
@@ -99,7 +101,7 @@ class PendingParameter(nn.Parameter):
             _calls += 1
             for leaf in tree_leaves((args, kwargs)):
                 if type(leaf) is PendingParameter:  # still pending: an earlier wait may have landed it
-                    ref = _ON_READ.get(id(leaf))
+                    ref = _ON_READ.get(leaf)
                     on_read = ref() if ref is not None else None
                     if on_read is not None:
                         on_read(leaf, func)
@@ -128,12 +130,12 @@ def can_guard(param: nn.Parameter) -> bool:
 
 def attach(param: nn.Parameter, on_read: Callable[[nn.Parameter, Callable], None]) -> None:
     """Routes reads of ``param`` while pending to ``on_read`` (a bound method, held weakly)."""
-    _ON_READ[id(param)] = weakref.WeakMethod(on_read)
+    _ON_READ[param] = weakref.WeakMethod(on_read)
 
 
 def detach(param: nn.Parameter) -> None:
     restore(param)
-    _ON_READ.pop(id(param), None)
+    _ON_READ.pop(param, None)
 
 
 def mark_pending(param: nn.Parameter) -> None:

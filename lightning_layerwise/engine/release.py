@@ -20,6 +20,7 @@ from .live_wrappers import _LIVE, wrapper_of
 
 if TYPE_CHECKING:
     from .grad_sync import GradientSync
+    from .param_records import ParamRecord, ParamRecords
     from .param_sync import ParameterSync
     from .sharded import ShardedParameterSync
 
@@ -33,8 +34,7 @@ class Releasing(Protocol):
     grad_sync: GradientSync
     param_sync: ParameterSync | ShardedParameterSync
     ended_by: Callable[[], object] | None
-    _param_names: dict[nn.Parameter, str]
-    _bucket_of: dict[nn.Parameter, Bucket]
+    records: ParamRecords
     _buckets: list[Bucket]
     _flat_buffers: list[FlatBuffer]
     _hook_handles: list
@@ -45,6 +45,7 @@ def release_wrapper(wrapper: Releasing, wait: bool = True, whole: bool = True) -
     """Releases ``wrapper`` (:meth:`LayerwiseDataParallel.release`, whose arguments these are); returns its
     module."""
     own: set[nn.Parameter] = set()
+    stepped_whole = wrapper.records.stepped_whole  # before the gradient side's release: this rank then steps nothing
     if wrapper.shard_parameters and wait and whole:
         own = _unshard_for_release(wrapper)
     wrapper.param_sync.release(wait)
@@ -55,16 +56,17 @@ def release_wrapper(wrapper: Releasing, wait: bool = True, whole: bool = True) -
         wrapper.grad_sync.release(wait)  # a clipping list's disagreement raises last, once the rest is released
     finally:
         with torch.no_grad():
-            for p in wrapper._param_names:
+            for record in wrapper.records:
+                p = record.param
                 if p in own:
                     continue
                 read_guard.detach(p)
-                kept = _readable(wrapper, p) and (whole or not wrapper.shard_parameters)
+                kept = _readable(wrapper, record, stepped_whole) and (whole or not wrapper.shard_parameters)
                 p.data = p.data.clone() if kept else _unheld(p, failed=not wait)
         wrapper._flat_buffers, wrapper._buckets = [], []
         for t in wrapper._registered:
             if wrapper_of(t) is wrapper:
-                del _LIVE[id(t)]
+                _LIVE.pop(id(t), None)
         wrapper._registered = []
         wrapper.ended_by = None
     return wrapper.module
@@ -74,7 +76,7 @@ def _unshard_for_release(wrapper: Releasing) -> set[nn.Parameter]:
     """``release()`` with sharded parameters (Note [sharded release] in ``engine/sharded.py``): every trainable
     parameter gets its own storage holding its full value, bucket by bucket (collective). Returns them."""
     wrapper.grad_sync.zero_grad_buffer()  # a released module has no gradient: the shards go before the gather
-    params = list(wrapper._param_names)
+    params = list(wrapper.records.names)
     nbytes = sum(p.numel() * p.element_size() for p in params)
     target = _release_device(params[0].device, nbytes) if params else torch.device("cpu")
     own: set[nn.Parameter] = set()
@@ -90,10 +92,11 @@ def _unshard_for_release(wrapper: Releasing) -> set[nn.Parameter]:
     return own
 
 
-def _readable(wrapper: Releasing, p: nn.Parameter) -> bool:
-    """Whether ``p``'s values are held on this rank now (always, unless sharded and its bucket is freed)."""
-    return not wrapper.shard_parameters or p in wrapper.grad_sync.stepped_whole \
-        or wrapper._bucket_of[p].param.state is ParamState.READY
+def _readable(wrapper: Releasing, record: ParamRecord, stepped_whole: frozenset[nn.Parameter]) -> bool:
+    """Whether the parameter's values are held on this rank now (always, unless sharded and its bucket is freed);
+    ``stepped_whole``: the parameters this rank stepped whole."""
+    return not wrapper.shard_parameters or record.param in stepped_whole \
+        or record.bucket.param.state is ParamState.READY
 
 
 def _unheld(p: nn.Parameter, failed: bool) -> torch.Tensor:

@@ -18,13 +18,16 @@ Note [replica check]
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import collectives
-from .buffers import Bucket
+
+if TYPE_CHECKING:
+    from .param_records import ParamRecords
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -35,11 +38,11 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BIT_SUM_CHUNK = 1 << 22  # elements summed at once: bounds the int64 temporary
 
 
-def check_replicas(names: dict[nn.Parameter, str], group: dist.ProcessGroup, bucket_of: dict[nn.Parameter, Bucket],
+def check_replicas(names: dict[nn.Parameter, str], group: dist.ProcessGroup, records: ParamRecords,
                    experts: Collection[str], expert_parallel_size: int) -> None:
     """Raises :class:`ReplicaDivergenceError` on every rank of ``group`` unless all hold bitwise-equal parameters
     ``names`` (parameter -> name; Note [replica check]). Collective: every rank calls it at the same point, after
-    the all-gathers. ``bucket_of`` names where each parameter in the layout lives; ``experts`` are the names of the
+    the all-gathers. ``records`` name where each parameter in the layout lives; ``experts`` are the names of the
     expert parameters, held alike within their expert data-parallel group only."""
     if not names:
         return
@@ -61,8 +64,8 @@ def check_replicas(names: dict[nn.Parameter, str], group: dist.ProcessGroup, buc
     ranks = sorted({r for i in differs for r in range(gathered.size(0)) if mismatch[r, i]})
     where = []
     for i in differs[:5]:
-        bucket = bucket_of.get(params[i])
-        place = f"bucket {bucket.name}" if bucket else "frozen, never all-gathered"
+        record = records.of(params[i])
+        place = f"bucket {record.bucket.name}" if record is not None else "frozen, never all-gathered"
         where.append(f"{names[params[i]]!r} ({place})")
     raise ReplicaDivergenceError(
         f"ranks hold different parameters after the all-gather: {', '.join(where)}"

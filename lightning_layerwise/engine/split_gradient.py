@@ -61,7 +61,7 @@ class SplitGradient(torch.Tensor):
             f"{describe(func)} read the gradient of {name!r}, which strategy='layerwise' splits across ranks "
             "(element-wise fill): no rank holds all of it, so its .grad only marks that it has a gradient this step "
             "(as `p.grad is not None` does under ddp). Read this rank's piece as "
-            "wrapper.grad_sync.piece_of(param).grad, take norms with torch.nn.utils.clip_grad_norm_ or lightning's "
+            "wrapper.records.piece_of(param).grad, take norms with torch.nn.utils.clip_grad_norm_ or lightning's "
             "grad_norm (both global under the strategy), or keep the parameter whole with elementwise_fill=False.")
 
 

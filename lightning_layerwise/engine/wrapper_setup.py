@@ -1,8 +1,9 @@
 """The set-up of :class:`LayerwiseDataParallel`, as free functions its ``__init__`` calls: its arguments checked,
 the layout planned from :func:`layout_specs` (or one handed in checked to fit), what ``shard_parameters=True``
 does not support refused, where a meta-device model is materialized, the first values broadcast from rank 0, and
-the helpers that build its parts: the gradient side's full-buffer views, the expert buckets each layer's pre-hook
-gathers (Note [conditional experts] in ``engine/data_parallel.py``) and the callbacks the parts hold.
+the helpers that build its parts: the per-parameter records (Note [the per-parameter record] in
+``engine/param_records.py``), the expert buckets each layer's pre-hook gathers (Note [conditional experts] in
+``engine/data_parallel.py``) and the callbacks the parts hold.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from torch import nn
 
 from . import collectives, read_guard
 from .buffers import Bucket, FlatBuffer, allocate, free, view_of
+from .grad_records import GradRecord, GradUnit
+from .param_records import ParamRecord, ParamRecords
 from .process_groups import ProcessGroups, Ranks
 from .read_guard import READ_GUARDS
 from ..experts import marked_containers
@@ -141,15 +144,15 @@ def broadcast_from_rank0(module: nn.Module, layout: Layout, flat_buffers: list[F
             collectives.broadcast_tensors(expert, groups.expert_dp)
 
 
-def expert_buckets_by_layer(module: nn.Module, bucket_of: dict[nn.Parameter, Bucket], buckets: list[Bucket],
-                        every: bool) -> dict[nn.Module, list[Bucket]]:
+def expert_buckets_by_layer(module: nn.Module, records: ParamRecords, buckets: list[Bucket],
+                            every: bool) -> dict[nn.Module, list[Bucket]]:
     """The expert buckets of each layer holding a marked expert container (``llw.mark_experts``): its
     parent, which runs on every rank whichever experts its tokens reach. ``every``: every expert bucket must
     be in a marked container (sharded parameters). Note [conditional experts] in ``engine/data_parallel.py``."""
     layers: dict[nn.Module, list[Bucket]] = {}
     for path, container in marked_containers(module).items():
         parent = module.get_submodule(path.rpartition(".")[0]) if path else module
-        held = {id(b): b for b in map(bucket_of.get, container.parameters()) if b is not None}
+        held = {id(r.bucket): r.bucket for r in map(records.of, container.parameters()) if r is not None}
         layers.setdefault(parent, []).extend(b for b in held.values() if b.expert)
     unmarked = sorted({b.name for b in buckets if b.expert}
                       - {b.name for routed in layers.values() for b in routed})
@@ -161,8 +164,42 @@ def expert_buckets_by_layer(module: nn.Module, bucket_of: dict[nn.Parameter, Buc
     return layers
 
 
-def full_gradient_views(buckets: list[Bucket], layout: Layout,
-                        param_names: dict[nn.Parameter, str]) -> dict[nn.Parameter, torch.Tensor]:
+def param_records(layout: Layout, buckets: list[Bucket], flat_buffers: list[FlatBuffer],
+                  names: dict[nn.Parameter, str], rank_for: Callable[[str], int], sharded: bool) -> ParamRecords:
+    """Every trained parameter's record (Note [the per-parameter record] in ``engine/param_records.py``): its bucket,
+    its gradient record over its slot of the grad buffer (strided as the parameter, so the reduced gradient keeps its
+    memory format: Note [memory format] in ``engine/buffers.py``), and what this rank steps of it. ``rank_for``:
+    this rank's index among the owners of a parameter's pieces. A split parameter's piece here becomes a parameter
+    of its own viewing the param buffer (Note [pieces] in ``engine/data_parallel.py``). With ``sharded``
+    parameters (Note [sharded parameters] in ``engine/buffers.py``) local gradients go to the full buffer, and what
+    this rank steps is handed its slot of the bucket's shard."""
+    bucket_of = {p: b for b in buckets for p in b.params}
+    views = _full_gradient_views(buckets, layout, names) if sharded else {}
+    records = []
+    for p, name in names.items():
+        slot, bucket = layout.params[name], bucket_of[p]
+        if sharded:
+            params_of, grads_of, base = bucket.param.shard, bucket.grad.shard, bucket.start + bucket.shard[0]
+        else:
+            flat = flat_buffers[slot.buffer]
+            views[p] = view_of(flat.grads, slot, like=p)
+            params_of, grads_of, base = flat.params, flat.grads, 0
+        gradient = GradRecord(p, views[p], bucket)
+        unit = None
+        if not slot.split:
+            if slot.owner == rank_for(name):
+                stepped = view_of(grads_of, slot, like=p, offset=slot.offset - base) if sharded else views[p]
+                unit = GradUnit(p, p, stepped, bucket, gradient)
+        elif (piece := slot.piece_of(rank_for(name))) is not None:
+            begin, end = slot.offset + piece.start - base, slot.offset + piece.stop - base
+            unit = GradUnit(p, nn.Parameter(params_of[begin:end], requires_grad=p.requires_grad), grads_of[begin:end],
+                            bucket, gradient, split=True, piece=piece)
+        records.append(ParamRecord(p, name, slot, bucket, gradient, unit))
+    return ParamRecords(records)
+
+
+def _full_gradient_views(buckets: list[Bucket], layout: Layout,
+                         param_names: dict[nn.Parameter, str]) -> dict[nn.Parameter, torch.Tensor]:
     """Each parameter's slot of its bucket's full gradient buffer, strided as the parameter, made bucket by
     bucket (a view of a freed storage cannot be made; the buffer is freed again at once)."""
     views = {}

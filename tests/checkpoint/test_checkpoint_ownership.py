@@ -12,6 +12,19 @@ from lightning_layerwise import checkpoint as ckpt
 from lightning_layerwise.layout import param_specs, plan_layout
 
 
+class FakeRecords:
+    """What Ownership.of asks of ``wrapper.records``: this rank's piece of a parameter, and what it steps of it."""
+
+    def __init__(self, wrapper: "FakeWrapper"):
+        self._wrapper = wrapper
+
+    def piece_of(self, p):
+        return self._wrapper.piece_of(p)
+
+    def __getitem__(self, p):
+        return SimpleNamespace(unit=self._wrapper.unit_of(p))
+
+
 class FakeWrapper:
     """What Ownership.of asks of a LayerwiseDataParallel: the layout, what this rank steps, its pieces."""
 
@@ -20,7 +33,8 @@ class FakeWrapper:
         self.owned = owned
         self.ranks = SimpleNamespace(owner_rank=rank, expert_dp_rank=rank, layout_rank=rank, replicas=1,
                                      expert_parallel_size=1)
-        self.grad_sync = SimpleNamespace(layout_group=None, piece_of=self.piece_of, unit_of=self.unit_of)
+        self.grad_sync = SimpleNamespace(layout_group=None)
+        self.records = FakeRecords(self)
         self.param_sync = SimpleNamespace(names={p: n for n, p in self.named.items() if p.requires_grad})
         self.process_groups = ProcessGroups.single()
         self.expert_names = frozenset()

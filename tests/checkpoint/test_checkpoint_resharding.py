@@ -452,7 +452,7 @@ def _split_under_bf16(rank, world, bucket_size):
     class Probe(L.Callback):
         def on_train_end(self, trainer, pl_module):
             wrapper = trainer.strategy.wrapper
-            split.extend(n for n, p in pl_module.named_parameters() if wrapper.grad_sync.piece_of(p) is not None)
+            split.extend(n for n, p in pl_module.named_parameters() if wrapper.records.piece_of(p) is not None)
 
     trainer.callbacks.append(Probe())
     trainer.fit(model, loader())

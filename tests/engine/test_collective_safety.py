@@ -56,6 +56,10 @@ def test_bf16_gradients_average_to_the_fp32_mean_rounded_once():
     assert torch.equal(grads[0], want), (grads[0] != want).float().mean().item()
 
 
+class FakeGroup:
+    """A stand-in process group: compared by identity, weakly referenceable (as ``dist.ProcessGroup`` is)."""
+
+
 def test_average_in_the_reduction_where_the_probe_found_it(monkeypatch):
     """A group whose probe found the reduce-scatter averaging (NCCL; gloo in torch 2.13) is reduced with
     ``ReduceOp.AVG``; one that does not, or was never probed, reduces the sum and the wait divides (Note
@@ -76,9 +80,9 @@ def test_average_in_the_reduction_where_the_probe_found_it(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")  # never consulted
-    averaging, summing, unprobed = object(), object(), object()
-    monkeypatch.setitem(collectives._AVERAGING, (id(averaging), "cpu"), (averaging, frozenset({"reduce_scatter"})))
-    monkeypatch.setitem(collectives._AVERAGING, (id(summing), "cpu"), (summing, frozenset({"all_reduce"})))
+    averaging, summing, unprobed = FakeGroup(), FakeGroup(), FakeGroup()
+    monkeypatch.setitem(collectives._AVERAGING, averaging, {"cpu": frozenset({"reduce_scatter"})})
+    monkeypatch.setitem(collectives._AVERAGING, summing, {"cpu": frozenset({"all_reduce"})})
     for group, op in ((averaging, dist.ReduceOp.AVG), (summing, dist.ReduceOp.SUM), (unprobed, dist.ReduceOp.SUM)):
         bucket = torch.arange(8, dtype=torch.float32)
         shard = collectives.reduce_scatter_bucket(bucket, group=group, average=True).wait()

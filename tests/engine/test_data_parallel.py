@@ -114,7 +114,7 @@ def _grads_worker(rank, world, bucket_size):
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if ddp.grad_sync.owns(p):
+        if ddp.records.owns(p):
             owned.append(name)
             if name not in per_rank:
                 none_ok &= p.grad is None  # unused everywhere: no gradient, as in the reference
@@ -616,7 +616,7 @@ def _hook_errors_worker(rank, world):
     wrapper = LayerwiseDataParallel(model)
     wrapper(x).sum().backward()
     wrapper.finish_grad_sync()
-    owns_last = wrapper.grad_sync.owns(model[2].weight)
+    owns_last = wrapper.records.owns(model[2].weight)
     try:
         with wrapper.no_sync():
             wrapper(x).sum().backward()

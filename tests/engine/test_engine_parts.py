@@ -29,10 +29,13 @@ from _dist import LATE_MS, run_distributed
 
 from lightning_layerwise.engine import read_guard
 from lightning_layerwise.engine.buffers import Bucket, BucketStateError, FlatBuffer, GradState, ParamState
+from lightning_layerwise.engine.grad_records import GradRecord, GradUnit
 from lightning_layerwise.engine.grad_sync import GradientSync
+from lightning_layerwise.engine.param_records import ParamRecord, ParamRecords
 from lightning_layerwise.engine.param_sync import ParameterSync
 from lightning_layerwise.engine.process_groups import ProcessGroups
 from lightning_layerwise.engine.waiter import Waiter
+from lightning_layerwise.layout import ParamSlot, Piece
 
 
 def _bucket(index: int, params: list, data: torch.Tensor, grads: torch.Tensor, world: int, rank: int) -> Bucket:
@@ -91,9 +94,14 @@ def _grad_sync_worker(rank: int, world: int) -> dict:
     a = nn.Parameter(param_data[0:3])  # inside shard 0: owned by rank 0
     b = nn.Parameter(param_data[shard:shard + 2])  # inside shard 1: owned by rank 1
     bucket = _bucket(0, [a, b], param_data, grad_data, world, rank)
-    views = {a: grad_data[0:3], b: grad_data[shard:shard + 2]}
-    owned = {p for p, r in ((a, 0), (b, 1)) if r == rank}
-    sync = GradientSync([bucket], [FlatBuffer(param_data, grad_data)], {a: "a", b: "b"}, views, owned, [], {},
+    records = []
+    for p, name, offset, owner in ((a, "a", 0, 0), (b, "b", shard, 1)):
+        view = grad_data[offset:offset + p.numel()]
+        gradient = GradRecord(p, view, bucket)
+        slot = ParamSlot(name, tuple(p.shape), 0, 0, offset, (Piece(owner, 0, p.numel()),))
+        unit = GradUnit(p, p, view, bucket, gradient) if owner == rank else None
+        records.append(ParamRecord(p, name, slot, bucket, gradient, unit))
+    sync = GradientSync([bucket], [FlatBuffer(param_data, grad_data)], ParamRecords(records),
                         Waiter(rank, world), groups=ProcessGroups.create(), layout_group=dist.group.WORLD)
     out = {}
     for step in range(2):

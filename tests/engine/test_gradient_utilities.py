@@ -384,7 +384,7 @@ def observe(model: nn.Module, wrapper) -> dict:
     names = {p: n for n, p in model.named_parameters()}
     seen = {"split": [], "markers": [n for p, n in names.items() if isinstance(p.grad, llw.SplitGradient)]}
     if wrapper is not None:
-        seen["split"] = [n for p, n in names.items() if wrapper.grad_sync.piece_of(p) is not None]
+        seen["split"] = [n for p, n in names.items() if wrapper.records.piece_of(p) is not None]
     else:
         seen["grad_max"] = max(p.grad.abs().max().item() for p in names if p.grad is not None)
     return seen
@@ -616,8 +616,8 @@ def _disagreeing_worker(rank, world):
     names = {p: n for n, p in model.named_parameters()}
     opt.zero_grad()
     session.backward(gpt_loss(wrapper, my_rows(batches(1)[0])))
-    owned = next(p for p in model.parameters() if wrapper.grad_sync.owns(p))
-    piece = next(p for p in model.parameters() if wrapper.grad_sync.piece_of(p) is not None)
+    owned = next(p for p in model.parameters() if wrapper.records.owns(p))
+    piece = next(p for p in model.parameters() if wrapper.records.piece_of(p) is not None)
     outcomes = []
     for left_out, norm_type in ((owned, 2.0), (piece, 2.0), (owned, 1.0), (piece, math.inf)):
         # rank 0 lists everything; rank 1 leaves out a parameter whose gradient it holds
@@ -669,7 +669,7 @@ def _split_grad_worker(rank, world):
     opt.zero_grad()
     session.backward(gpt_loss(wrapper, my_rows(batches(1)[0])))
     p = model.transformer.wte.weight
-    assert wrapper.grad_sync.piece_of(p) is not None
+    assert wrapper.records.piece_of(p) is not None
     g = p.grad
     if not isinstance(g, llw.SplitGradient):  # now, before the loops below (see fail_fast)
         raise AssertionError(f"rank {rank}: the split parameter's .grad is {type(g).__name__}, not a SplitGradient")
@@ -717,7 +717,7 @@ def _recompile_worker(rank, world):
     model = gpt(seed=0)
     opt = optimizer("adamw", model)
     wrapped, opt = fabric.setup(torch.compile(model, backend=backend), opt)
-    split = [n for n, p in model.named_parameters() if fabric.strategy.wrapper.grad_sync.piece_of(p) is not None]
+    split = [n for n, p in model.named_parameters() if fabric.strategy.wrapper.records.piece_of(p) is not None]
     for step, tokens in enumerate(batches(4)):
         tokens = tokens if step < 2 else tokens[:, : tokens.shape[1] // 2]  # a new shape: dynamo recompiles
         opt.zero_grad()

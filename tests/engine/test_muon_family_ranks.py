@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, owner_group_size: int | None, shard_parameter
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
         out[variant] = {"params": params, "ns": [sum(c.values()) for c in counter.per_step],
                         "parameter_side": type(ddp.param_sync).__name__,
-                        "owns": {n: ddp.grad_sync.owns(p) for n, p in model.named_parameters()},
+                        "owns": {n: ddp.records.owns(p) for n, p in model.named_parameters()},
                         "split": sorted(n for n, slot in ddp.layout.params.items() if slot.split),
                         "clipped": clipped}
         ddp.release()

@@ -82,7 +82,7 @@ def _worker(rank, world, mode):
             if mode == "link" and rank == 1 and trainer.global_step == 12:
                 real_gather = collectives.all_gather_bucket
                 wrapper = trainer.strategy.wrapper
-                target = next(b.params[0] for b in wrapper.buckets if not wrapper.grad_sync.owns(b.params[0]))
+                target = next(b.params[0] for b in wrapper.buckets if not wrapper.records.owns(b.params[0]))
                 start = target.data_ptr()
 
                 def faulty(bucket, group, async_op=True):

@@ -62,7 +62,7 @@ def held_bytes(model: nn.Module, wrapper, optimizer) -> int:
     with torch._C.DisableTorchFunctionSubclass():
         for p in model.parameters():
             tensors += [p, p.grad]
-        for piece in wrapper.grad_sync.pieces.values():
+        for piece in wrapper.records.pieces.values():
             tensors += [piece, piece.grad]
         for b in wrapper.buckets:
             tensors += [b.param.data, b.grad.data, b.grad.taken, b.param.shard, b.grad.shard]
@@ -141,7 +141,7 @@ def _setup_worker(rank, world, meta, shard=True):
     peak, _ = _peak_during(lambda: box.append(session.wrap(model, optimizer)))
     wrapped = box[0]
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    in_optimizer = all(id(p) in stepped or id(wrapped.grad_sync.piece_of(p)) in stepped for p in model.parameters())
+    in_optimizer = all(id(p) in stepped or id(wrapped.records.piece_of(p)) in stepped for p in model.parameters())
     with llw.full_parameters(model):
         values = {n: p.detach().clone() for n, p in model.named_parameters()}
     numel = sum(p.numel() for p in model.parameters())

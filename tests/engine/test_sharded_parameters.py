@@ -159,7 +159,7 @@ def _reads_worker(rank, world):
     session = llw.LayerwiseSession(llw.LayerwiseConfig(shard_parameters=True, bucket_size=300))
     model = make_model("net")
     wrapped = session.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    not_mine = next(n for n, p in model.named_parameters() if p.requires_grad and not wrapped.grad_sync.owns(p))
+    not_mine = next(n for n, p in model.named_parameters() if p.requires_grad and not wrapped.records.owns(p))
     p = model.get_parameter(not_mine)
     shape_ok = p.shape == make_model("net").get_parameter(not_mine).shape and p.requires_grad
     try:

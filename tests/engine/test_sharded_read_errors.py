@@ -26,7 +26,7 @@ def _one_rank_reads_worker(rank, world):
     model = make_model("attention")
     opt = make_optimizer("adamw", model)
     wrapped = session.wrap(model, opt)
-    not_mine = next(n for n, p in model.named_parameters() if not wrapped.grad_sync.owns(p))
+    not_mine = next(n for n, p in model.named_parameters() if not wrapped.records.owns(p))
     start = time.monotonic()
     try:
         for step, (idx, target) in enumerate(batches("attention")):

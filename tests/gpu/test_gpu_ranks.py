@@ -130,7 +130,7 @@ def _gloo_cuda_clip_worker(rank: int, world: int, tmp: str) -> None:
         opt.zero_grad()
         gpt_loss(ddp, tokens_list[-1].cuda().chunk(world)[rank]).backward()
         ddp.finish_grad_sync()
-        sync = ddp.grad_sync
+        sync = ddp.records
         held = [p for p in model.parameters() if sync.owns(p) or sync.piece_of(p) is not None]  # whole or a piece
         wrong = [p for p in model.parameters() if not (rank == 1 and p is held[0])]
         errors = []

@@ -391,7 +391,7 @@ def _total_norm_worker(rank, world):
     # Note [split gradients]; its piece's gradient is compared instead).
     held = [g for g in grads if not isinstance(g, llw.SplitGradient)]
     wrapper = fabric.strategy.wrapper
-    held += [wrapper.grad_sync.piece_of(p).grad for p in model.parameters() if isinstance(p.grad, llw.SplitGradient)]
+    held += [wrapper.records.piece_of(p).grad for p in model.parameters() if isinstance(p.grad, llw.SplitGradient)]
     before = [g.clone() for g in held]
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
     unchanged = all(torch.equal(a, b) for a, b in zip(before, held))

@@ -134,7 +134,7 @@ class Layout(L.Callback):
 
     def on_train_end(self, trainer, pl_module):
         wrapper = trainer.strategy.wrapper
-        self.split = [n for n, p in pl_module.named_parameters() if wrapper.grad_sync.piece_of(p) is not None]
+        self.split = [n for n, p in pl_module.named_parameters() if wrapper.records.piece_of(p) is not None]
         self.replans = trainer.strategy.session.replans
 
 
@@ -263,7 +263,7 @@ def _loop_worker(rank, world, front):
         else:
             session.backward(loss)
             session.step(optimizer)
-    split = [n for n, p in model.named_parameters() if session.wrapper.grad_sync.piece_of(p) is not None]
+    split = [n for n, p in model.named_parameters() if session.wrapper.records.piece_of(p) is not None]
     replans = session.replans
     if front == "fabric":
         fabric.strategy.teardown()

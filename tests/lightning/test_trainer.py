@@ -516,7 +516,7 @@ class OptimizerStateProbe(L.Callback):
         names = {p: n for n, p in pl_module.named_parameters()}
         self.records[when] = {
             "state_names": sorted(names[p] for p in opt.state),
-            "owned_names": sorted(n for p, n in names.items() if wrapper is not None and wrapper.grad_sync.owns(p)),
+            "owned_names": sorted(n for p, n in names.items() if wrapper is not None and wrapper.records.owns(p)),
             "wrapped": wrapper is not None,
             "order": [names[p] for g in opt.param_groups for p in g["params"]],  # state_dict indices
             "state": {names[p]: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
