@@ -13,73 +13,48 @@ It is built from buckets, the parameter records (Note [the per-parameter record]
 ``engine/param_records.py``) and a process group alone; the wrapper composes it with the parameter side.
 
 Note [gradient lifecycle]
-    Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every
-    backward adds to them, whether or not it reduces, until the user clears them
-    (``optimizer.zero_grad()``). A rank holds the reduced gradient only of what it
-    steps, its *units* (:class:`GradUnit`: an owned whole parameter, or its piece
-    of a split one), so "adds to them" needs care: the buffer's own shard holds
-    the reduced sum so far, and every other element holds local gradients that
-    were already sent.
+    Gradients behave as ``.grad`` does under ``DistributedDataParallel``: every backward adds to them, whether or
+    not it reduces, until the user clears them (``optimizer.zero_grad()``). A rank holds the reduced gradient only
+    of what it steps, its *units* (:class:`GradUnit`: an owned whole parameter, or its piece of a split one), so
+    "adds to them" needs care: the buffer's own shard holds the reduced sum so far, and every other element holds
+    local gradients already sent.
 
-    So each backward after a sync first *restarts accumulation*
-    (:meth:`LayerwiseDataParallel.prepare_backward`, which the strategies call
-    before every backward; the gradient hook and :meth:`finish_grad_sync` call it
-    when nobody did). A unit whose gradient is still held (the tensor the
-    optimizer steps, its float32 master where there is one, has a ``.grad``) is
-    *carried*: its reduced gradient is set aside (``.grad`` zeroed in place by
-    ``zero_grad(set_to_none=False)`` carries zero; a ``.grad`` the user replaced
-    carries its value). Then the buffer is zeroed and every ``.grad`` is set to
-    ``None``, so autograd never accumulates into a view of the reduced shard.
-    The next reducing backward reduces only the new local gradients, and the
-    carried ones are added back to the reduced shard after the reduction: every
-    rank sends exactly what ``ddp`` would, and the result is the sum of every
-    backward's mean gradient. When every unit was cleared (``zero_grad`` before
-    each step: the usual loop) nothing is carried and no memory is used for it.
+    So each backward after a sync first *restarts accumulation* (:meth:`LayerwiseDataParallel.prepare_backward`,
+    called by the strategies before every backward, else by the gradient hook or :meth:`finish_grad_sync`). A
+    unit whose gradient is still held (the tensor the optimizer steps, or its master, has a ``.grad``) is
+    *carried*: its reduced gradient is set aside (a ``.grad`` zeroed in place carries zero; one the user replaced
+    carries its value). Then the buffer is zeroed and every ``.grad`` set to ``None``, so autograd never adds into
+    a view of the reduced shard. The next reducing backward reduces only the new local gradients, and the carried
+    ones are added back after the reduction: every rank sends what ``ddp`` would, and the result is the sum of
+    every backward's mean gradient. When every unit was cleared (the usual loop) nothing is carried.
     :meth:`zero_grad_buffer` drops everything.
 
-    A bare ``loss.backward()`` that bypasses the strategy runs autograd before
-    anything can restart accumulation: the first parameter to receive a gradient
-    has it added into whatever ``.grad`` holds. That is harmless when its
-    ``.grad`` was cleared, and on several processes detected (an error naming the
-    fix) when it was still the gradient handed out. On one process the handed-out
-    gradient is the local one, so that add is plain accumulation: the sync's
-    restart carries it. Fabric refuses a bare ``backward`` anyway, and the
-    Trainer's hooks always go through the strategy.
+    A bare ``loss.backward()`` that bypasses the strategy adds the first gradient into whatever ``.grad`` holds:
+    harmless when it was cleared, and on several processes refused by name when it was the gradient handed out
+    (on one process the handed-out gradient is the local one, and the restart carries it). Fabric refuses a bare
+    ``backward``; the Trainer's hooks always go through the strategy.
 
-    Note [in-place gradients]: a restart before a backward makes each
-    parameter's slot of the zeroed buffer its ``.grad`` (where the buffer has the
-    parameter's dtype and the optimizer steps the parameter itself, not a piece
-    or a master), so autograd adds every gradient straight into the bucket, as
-    ``ddp``'s ``gradient_as_bucket_view`` does: no per-parameter copy, and the
-    hook only marks the bucket. Other parameters, and a ``.grad`` that arrives
-    as a new tensor, take the copy path. A new tensor where the slot was assigned
-    is the parameter's whole gradient since the restart (the user cleared or set
-    ``.grad``, as in plain autograd only what follows counts; or
-    ``backward(create_graph=True)`` summed out of place, already including the
-    slot), so it is copied, not added. After the sync every ``.grad`` but those
-    handed out is ``None`` again, so between steps nothing differs from the copy
-    path.
+    A unit whose optimizer-side tensor (a piece, a master) has ``requires_grad=False`` (``toggle_optimizer``
+    switches off what the *optimizer* holds) gets no gradient, as the model parameter would not under ``ddp``:
+    every rank drops its local gradient of that parameter, so the reduction stays consistent.
 
-    The ``.grad`` given is not a view of the buffer but an alias of the slot's
-    memory (``GradRecord.grad``), with a version counter of its own: autograd's
-    in-place add bumps it. On one process, which reduces nothing, a parameter
-    whose gradient is added in place therefore needs no hook at all (a Python
-    hook is a call from autograd per parameter and step): the
-    sync (and ``grads_pending``) reads the counters to tell which parameters
-    received a gradient, and takes a ``.grad`` that is another tensor as the
-    copy path would. Hooks remain where they do work: on several processes
-    (bucket readiness, overlapped reduce-scatters, the errors below) and for
-    copy-path parameters (masters, other dtypes). So on one process a second
-    gradient in one backward (reentrant checkpointing) and a sparse gradient
-    just add into the slot, as plain autograd would; several processes refuse
-    them by name, since there a reduced bucket cannot take another gradient.
+Note [in-place gradients]
+    A restart makes each parameter's slot of the zeroed buffer its ``.grad`` (where the buffer has the
+    parameter's dtype and the optimizer steps the parameter itself), so autograd adds every gradient straight
+    into the bucket, as ``ddp``'s ``gradient_as_bucket_view`` does: no per-parameter copy, and the hook only
+    marks the bucket. Other parameters, and a ``.grad`` that arrives as a new tensor, take the copy path. A new
+    tensor where the slot was assigned is the whole gradient since the restart (the user cleared or set
+    ``.grad``; ``backward(create_graph=True)`` summed out of place), so it is copied, not added. After the sync
+    every ``.grad`` but those handed out is ``None`` again.
 
-    A unit whose optimizer-side tensor (a piece or a master) has
-    ``requires_grad=False`` gets no gradient, as the model parameter would not
-    under ``ddp``: ``LightningModule.toggle_optimizer`` switches off the tensors
-    the *optimizer* holds, and on ranks where those are pieces or masters the
-    model parameter itself keeps ``requires_grad=True``. Every rank then drops
-    its local gradient of that parameter, so the reduction stays consistent.
+    The ``.grad`` given is an alias of the slot's memory (``GradRecord.grad``), not a view of the buffer, with a
+    version counter of its own that autograd's in-place add bumps. On one process, which reduces nothing, such
+    a parameter needs no hook (a Python call per parameter and step): the sync (and ``grads_pending``) reads the
+    counters to tell which parameters received a gradient, and takes a ``.grad`` that is another tensor as the
+    copy path would. Hooks remain where they do work: on several processes (bucket readiness, overlapped
+    reduce-scatters, the errors below) and for copy-path parameters. So on one process a second gradient in one
+    backward (reentrant checkpointing) and a sparse gradient just add into the slot, as plain autograd would;
+    several processes refuse them by name, since a reduced bucket cannot take another gradient.
 
 Note [sharded gradients]
     With sharded parameters (Note [sharded parameters] in ``engine/buffers.py``) a bucket's full gradient buffer

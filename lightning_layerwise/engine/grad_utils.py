@@ -1,47 +1,30 @@
 """torch's and Lightning's gradient utilities, global over sharded gradients.
 
 Note [gradient utilities]
-    Under the wrapper a rank holds the reduced gradient only of what it steps, so
-    ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the most
-    common clipping line in plain PyTorch, would compute a different norm on every
-    rank (the norm of its own shards) and clip each rank's gradients by a different
-    factor. Lightning's ``grad_norm`` logging utility would log this rank's part.
-    ``ddp`` users expect both to just work, so while a :class:`GradientUtilities` hold
-    is alive (a session holds one from ``wrap`` to ``release``; a hand-built
-    wrapper's loop takes one with ``with lightning_layerwise.gradient_utilities():``)
+    A rank holds the reduced gradient only of what it steps, so ``clip_grad_norm_(model.parameters(), max_norm)``
+    would compute a different norm on every rank and clip each by a different factor, and Lightning's
+    ``grad_norm`` would log this rank's part. While a :class:`GradientUtilities` hold is alive (a session holds
+    one from ``wrap`` to ``release``; a hand-built loop takes ``with lightning_layerwise.gradient_utilities():``)
     these functions see through the sharding:
 
-    * ``clip_grad_norm_`` over parameters the wrapper trains computes the norm of
-      their *full* gradient (one all-reduce, Note [norm from shards] in ``engine/clip.py``)
-      and scales every rank's owned part by the same coefficient: the one-process
-      result. It is collective, as everything in a data-parallel step is: every rank
-      calls it, as every ``ddp`` rank does.
-    * ``clip_grads_with_norm_`` and ``clip_grad_value_`` act on the owned gradients,
-      masters and gradient copies included (element-wise given the norm, so local).
-    * Lightning's ``grad_norm(module, norm_type)`` returns the norm of each
-      parameter's full gradient and their total, with the keys ``ddp`` gives: one
-      all-reduce of one number per parameter. Collective too.
-    * ``get_total_norm(tensors)`` takes gradients, not parameters: a rank that owns
-      none of them is handed an empty list and cannot know it should take part in a
-      collective. Given a gradient the wrapper handed out it raises, naming
-      ``clip_grad_norm_(params, float("inf"))`` (which returns the global norm and
-      scales by 1) and :func:`lightning_layerwise.grad_norm`.
-    * ``nn.Module.zero_grad`` also clears what the optimizer holds for the module's
-      parameters where that is not the parameter itself (a piece of a split
-      parameter, a float32 master), so ``model.zero_grad()`` clears gradients as
-      ``optimizer.zero_grad()`` does (Note [gradient lifecycle] in
-      ``engine/grad_sync.py``).
+    * ``clip_grad_norm_`` over the wrapper's parameters computes the norm of their *full* gradient (one
+      all-reduce, Note [norm from shards] in ``engine/clip.py``) and scales every rank's part by the same
+      coefficient: the one-process result. Collective, as every ``ddp`` rank calls it.
+    * ``clip_grads_with_norm_`` and ``clip_grad_value_`` act on the owned gradients, masters included (local).
+    * Lightning's ``grad_norm(module, norm_type)`` returns each parameter's full-gradient norm and their total,
+      with ``ddp``'s keys: one all-reduce of one number per parameter. Collective too.
+    * ``get_total_norm(tensors)`` takes gradients: a rank owning none of them cannot know to take part in a
+      collective, so given a handed-out gradient it raises, naming ``clip_grad_norm_(params, float("inf"))``
+      and :func:`lightning_layerwise.grad_norm`.
+    * ``nn.Module.zero_grad`` also clears what the optimizer holds where that is not the parameter itself (a
+      piece, a master), as ``optimizer.zero_grad()`` does (Note [gradient lifecycle] in ``engine/grad_sync.py``).
 
-    Anything else passes straight to the original function: a call that involves no
-    live wrapper's tensors costs one dictionary test. Nothing is patched by importing
-    the package or by building the engine: the first hold installs the patches, the
-    last one to be released (or garbage-collected) puts every original back (the
-    scope ``GRADIENT_UTILITIES`` of Note [patches] in ``engine/patches.py``, through which
-    every patch of the package goes). Names bound before the package
-    was imported (``from torch.nn.utils import clip_grad_norm_``) are covered as
-    well: torch's functions are replaced behind their ``no_grad`` wrapper (the
-    closure cell holding the implementation), Lightning's ``grad_norm`` by its code
-    object, and ``zero_grad`` on the ``nn.Module`` class.
+    Anything else passes to the original: a call on no live wrapper's tensors costs one dictionary test. Nothing
+    is patched by importing the package or building the engine: the first hold installs the patches, the last
+    one released puts every original back (scope ``GRADIENT_UTILITIES`` of Note [patches] in
+    ``engine/patches.py``). Names bound before the import (``from torch.nn.utils import clip_grad_norm_``) are
+    covered too: torch's functions are replaced behind their ``no_grad`` wrapper (the closure cell), Lightning's
+    ``grad_norm`` by its code object, ``zero_grad`` on the ``nn.Module`` class.
 """
 
 from __future__ import annotations

@@ -1,42 +1,28 @@
 """Parameter reads that wait for their all-gather: the read guard.
 
 Note [read guard]
-    With the overlapped all-gather, a parameter's new value lands in the param
-    buffer some time after ``optimizer.step``: when the forward pre-hook of the
-    module holding it waits for its bucket. A read from anywhere else (code that
-    reads ``child.weight`` without calling ``child``, as ``nn.MultiheadAttention``
-    does with ``out_proj.weight``; a parametrization; ``training_step`` code or a
-    hook before the forward; a callback between steps) would see the previous
-    step's value, or half of the new one.
+    With the overlapped all-gather, a parameter's new value lands some time after ``optimizer.step``: when the
+    forward pre-hook of its module waits for its bucket. A read from anywhere else (``out_proj.weight`` read by
+    ``nn.MultiheadAttention`` without calling ``out_proj``; a parametrization; ``training_step`` code or a hook
+    before the forward) would see the previous step's value, or half of the new one.
 
-    So while its bucket is in flight, every parameter of the bucket carries the
-    class :class:`PendingParameter` (a subclass of ``nn.Parameter``, swapped with
-    ``__class__``, the same object otherwise: optimizer state, hooks and names are
-    untouched). Its ``__torch_function__`` sees every torch operation that takes
-    the parameter, directly or in a list: it asks the wrapper to wait for the
-    parameter's bucket (which restores ``nn.Parameter`` on every parameter of each
-    bucket that lands) and then runs the operation as ``nn.Parameter`` would.
-    Operations that read no element (``shape``, ``dtype``, ``device``, ``grad``,
-    ``requires_grad``, ``numel``...) pass without waiting, so optimizers'
-    ``zero_grad`` and Lightning's bookkeeping keep the overlap.
+    So while its bucket is in flight, every parameter of the bucket carries the class :class:`PendingParameter`
+    (an ``nn.Parameter`` subclass swapped in with ``__class__``: optimizer state, hooks and names untouched). Its
+    ``__torch_function__`` sees every torch operation that takes the parameter, directly or in a list: it asks
+    the wrapper to wait for the bucket (which restores ``nn.Parameter`` on each parameter of every bucket that
+    lands), then runs the operation. Operations that read no element (``shape``, ``dtype``, ``grad``,
+    ``requires_grad``, ``numel``...) pass without waiting, so ``zero_grad`` and Lightning's bookkeeping keep the
+    overlap. Cost: nothing once the bucket landed, one Python call per operation on a pending parameter, two
+    attribute stores per parameter per step. ``copy.deepcopy`` is a read and gives a plain ``nn.Parameter``.
 
-    The cost is nothing for parameters whose bucket has landed (their class is
-    plain ``nn.Parameter`` again), one Python call per operation on a pending
-    parameter, and two attribute stores per parameter per step. ``copy.deepcopy``
-    of a pending parameter is a read too, and gives a plain ``nn.Parameter``.
+    What it cannot see: a tensor taken from a parameter *before* the all-gather started and kept (``w =
+    layer.weight.data`` stored at set-up); reads inside a graph compiled while the parameters were plain (the
+    strategy completes the all-gather inside the step for compiled models); parameters whose class is not
+    exactly ``nn.Parameter`` (the wrapper completes the all-gather inside the step for those).
 
-    What it cannot see: a tensor taken from a parameter *before* the all-gather
-    started and kept (``w = layer.weight.data`` stored at set-up and read later),
-    since it is no longer the parameter; reads inside a graph compiled while the
-    parameters were plain (the strategy completes the all-gather inside the step
-    for compiled models); and parameters whose class is not exactly
-    ``nn.Parameter``, for which the wrapper falls back to completing the
-    all-gather inside the step.
-
-    ``"strict"`` turns the wait into :class:`StaleParameterReadError`, so a user
-    can find every read that is not done by the parameter's own module (and
-    would have cost overlap), and poisons the other ranks' shards with NaN
-    until they arrive, so that a read the guard cannot see shows up as NaN.
+    ``"strict"`` turns the wait into :class:`StaleParameterReadError`, to find every read not made by the
+    parameter's own module, and poisons the other ranks' shards with NaN until they arrive, so a read the guard
+    cannot see shows up as NaN.
 """
 
 from __future__ import annotations
