@@ -328,11 +328,11 @@ class LayerwiseSession:
         self.checkpoints.global_names = GlobalNames(local_to_global)
         expert = (lambda name, p: name in experts) if experts else None
         specs = layout_specs(module, elementwise=predicate, expert=expert)
-        owner_size, layout = self._plan(specs, expert is not None)
+        owner_group_size, layout = self._plan(specs, expert is not None)
         self.groups = ProcessGroups.create(
             separate_all_gather=self.config.separate_all_gather_group, backend=self.env.backend,
-            timeout=self.env.timeout, owner_group_size=owner_size, expert_parallel_size=E,
-            expert_owner_group_size=layout.expert_group_size if layout is not None and E > 1 else None)
+            timeout=self.env.timeout, owner_group_size=owner_group_size, expert_parallel_size=E,
+            expert_group_size=layout.expert_group_size if layout is not None and E > 1 else None)
         c = self.config
         self.wrapper = LayerwiseDataParallel(
             module, process_groups=self.groups, bucket_size=c.planned_bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
@@ -415,10 +415,10 @@ class LayerwiseSession:
     def _plan_for_groups(self, specs, has_experts: bool) -> Layout:
         """A layout for the process groups this run already has (the same owner and expert group sizes)."""
         c, world, groups = self.config, self.env.world_size, self.groups
-        g = groups.owner_size
+        g = groups.owner_group_size
         E = c.expert_parallel_size
         expert_dp_size = world // E if has_experts and E > 1 else None
-        ge = groups.expert_owner_size if expert_dp_size is not None else None
+        ge = groups.expert_group_size if expert_dp_size is not None else None
         return plan_layout(specs, g, c.planned_bucket_size, expert_group_size=ge, replicas=world // g,
                            follow_layers=c.shard_parameters,
                            expert_replicas=expert_dp_size // ge if ge else 1)

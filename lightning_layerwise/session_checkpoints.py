@@ -131,7 +131,7 @@ class SessionCheckpoints:
         """What a sharded checkpoint records of the layout it was written under."""
         s = self._session
         return {"world_size": s.env.world_size, "bucket_size": s.config.bucket_size,
-                "owner_group_size": s.groups.owner_size if s.groups else s.env.world_size,
+                "owner_group_size": s.groups.owner_group_size if s.groups else s.env.world_size,
                 "expert_parallel_size": s.config.expert_parallel_size}
 
     def after_model_load(self) -> None:

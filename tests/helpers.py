@@ -713,7 +713,7 @@ def ckpt_run_worker(rank, world, optimizer, strategy, fmt, dirpath, bucket_size=
     class Inspect(L.Callback):
         def on_train_start(self, trainer, pl_module):
             ranks = getattr(getattr(trainer.strategy, "wrapper", None), "ranks", None)
-            seen["owner_size"] = None if ranks is None else ranks.owner_size
+            seen["owner_group_size"] = None if ranks is None else ranks.owner_group_size
 
     trainer = ckpt_trainer(world, strategy, fmt, bucket_size, callbacks=[save, Inspect()],
                            owner_group_size=owner_group_size)

@@ -223,7 +223,6 @@ class GradientSync:
             for shard in self._records.pieces.values():
                 shard.grad = None
                 shard.data = shard.data.clone()  # no longer a view of the freed buffer
-        self._records.release()
         self._units_stepped_apart, self._carry = [], []
         self._grads_handed_out = False
         if wait:  # the wrapper's callbacks go: no cycle keeps its buffers (after a failure, see Note [sharded release])

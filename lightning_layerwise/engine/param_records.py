@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .buffers import Bucket
+from .buffers import Bucket, ParamState
 from .grad_records import GradRecord, GradUnit
 from ..layout import ParamSlot
 
@@ -53,10 +53,16 @@ class ParamRecord:
         unit = self.unit
         return unit.tensor if unit is not None and unit.split else None
 
+    @property
+    def held(self) -> bool:
+        """Whether this rank holds its values now: always, unless its bucket is sharded and freed and this rank
+        does not step it whole (Note [sharded parameters] in ``engine/buffers.py``)."""
+        return not self.bucket.sharded or self.owned or self.bucket.param.state is ParamState.READY
+
 
 class ParamRecords:
     """Every trained parameter's record, in layout order, found by the parameter or by a tensor the optimizer holds
-    in its place (this rank's piece, a master)."""
+    in its place (this rank's piece, a master). Released (:meth:`release`) when the wrapper is, last."""
 
     def __init__(self, records: list[ParamRecord]) -> None:
         self._records = records

@@ -112,7 +112,7 @@ class ProcessGroups:
         return self.owner if self.owner is not None else self.dp
 
     @property
-    def owner_size(self) -> int:
+    def owner_group_size(self) -> int:
         group = self.owner_group
         return 1 if group is None else dist.get_world_size(group)
 
@@ -147,7 +147,7 @@ class ProcessGroups:
         return self.expert_owner if self.expert_owner is not None else self.expert_dp
 
     @property
-    def expert_owner_size(self) -> int:
+    def expert_group_size(self) -> int:
         group = self.expert_owner_group
         return 1 if group is None else dist.get_world_size(group)
 
@@ -189,13 +189,13 @@ class ProcessGroups:
         timeout: timedelta | None = None,
         owner_group_size: int | None = None,
         expert_parallel_size: int = 1,
-        expert_owner_group_size: int | None = None,
+        expert_group_size: int | None = None,
     ) -> "ProcessGroups":
         """Groups over every rank of the initialized default group.
 
         ``owner_group_size``: ``g`` dividing the world size splits it into owner groups
         of ``g`` consecutive ranks (Note [owner groups]); ``None`` or the world size:
-        one owner group. ``expert_owner_group_size``: the same inside each expert data-parallel group
+        one owner group. ``expert_group_size``: the same inside each expert data-parallel group
         (Note [expert owner groups]); ``None``: one. Collective: every rank must call it, in the same order
         relative to other group creations. Without an initialized default group (or
         with one rank) returns :meth:`single`.
@@ -212,9 +212,9 @@ class ProcessGroups:
             raise ValueError(f"expert_parallel_size={expert_parallel_size!r} does not divide the {world} ranks; pass "
                              f"a divisor of {world}, or 1 for no expert parallelism.")
         D = world // E
-        ge = D if expert_owner_group_size is None else expert_owner_group_size
+        ge = D if expert_group_size is None else expert_group_size
         if E > 1 and (isinstance(ge, bool) or not isinstance(ge, int) or ge < 1 or D % ge):
-            raise ValueError(f"expert_owner_group_size={expert_owner_group_size!r} does not divide the {D} expert "
+            raise ValueError(f"expert_group_size={expert_group_size!r} does not divide the {D} expert "
                              f"data-parallel ranks; pass a divisor of {D}, or None for one group.")
         kwargs = {"backend": backend, "timeout": timeout}
         everyone = [list(range(world))]
@@ -289,7 +289,7 @@ class Ranks:
 
     dp_size: int
     dp_rank: int
-    owner_size: int
+    owner_group_size: int
     """Ranks in an owner group (Note [owner groups]); ``owner_rank``: this rank's position in it."""
     owner_rank: int
     replicas: int
@@ -299,23 +299,23 @@ class Ranks:
     expert_parallel_size: int = 1
     expert_dp_rank: int = 0
     """Position in the expert data-parallel group (``owner_rank`` without expert parallelism)."""
-    expert_owner_size: int | None = None
+    expert_group_size: int | None = None
     """Ranks of an expert owner group (Note [expert owner groups]); ``None`` without expert parallelism."""
     expert_owner_rank: int = 0
     expert_replicas: int = 1
 
     @classmethod
     def of(cls, groups: "ProcessGroups") -> "Ranks":
-        replicas = groups.dp_size // groups.owner_size if groups.replica is not None else 1
+        replicas = groups.dp_size // groups.owner_group_size if groups.replica is not None else 1
         dp_rank = 0 if groups.dp is None else dist.get_rank(groups.dp)
-        common = dict(dp_size=groups.dp_size, dp_rank=dp_rank, owner_size=groups.owner_size,
+        common = dict(dp_size=groups.dp_size, dp_rank=dp_rank, owner_group_size=groups.owner_group_size,
                       owner_rank=groups.owner_rank, replicas=replicas,
-                      layout_rank=groups.replica_rank * groups.owner_size + groups.owner_rank,
+                      layout_rank=groups.replica_rank * groups.owner_group_size + groups.owner_rank,
                       expert_parallel_size=groups.expert_parallel_size)
         if groups.expert_parallel is None:
             return cls(**common, expert_dp_rank=groups.owner_rank)
         expert_dp_size = dist.get_world_size(groups.expert_dp)
         return cls(**common, expert_dp_rank=dist.get_rank(groups.expert_dp),
-                   expert_owner_size=groups.expert_owner_size,
+                   expert_group_size=groups.expert_group_size,
                    expert_owner_rank=dist.get_rank(groups.expert_owner_group),
-                   expert_replicas=expert_dp_size // groups.expert_owner_size)
+                   expert_replicas=expert_dp_size // groups.expert_group_size)

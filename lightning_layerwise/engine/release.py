@@ -15,12 +15,12 @@ import torch
 from torch import nn
 
 from . import read_guard
-from .buffers import Bucket, FlatBuffer, ParamState
+from .buffers import Bucket, FlatBuffer
 from .live_wrappers import _LIVE, wrapper_of
 
 if TYPE_CHECKING:
     from .grad_sync import GradientSync
-    from .param_records import ParamRecord, ParamRecords
+    from .param_records import ParamRecords
     from .param_sync import ParameterSync
     from .sharded import ShardedParameterSync
 
@@ -45,7 +45,6 @@ def release_wrapper(wrapper: Releasing, wait: bool = True, whole: bool = True) -
     """Releases ``wrapper`` (:meth:`LayerwiseDataParallel.release`, whose arguments these are); returns its
     module."""
     own: set[nn.Parameter] = set()
-    stepped_whole = wrapper.records.stepped_whole  # before the gradient side's release: this rank then steps nothing
     if wrapper.shard_parameters and wait and whole:
         own = _unshard_for_release(wrapper)
     wrapper.param_sync.release(wait)
@@ -61,8 +60,9 @@ def release_wrapper(wrapper: Releasing, wait: bool = True, whole: bool = True) -
                 if p in own:
                     continue
                 read_guard.detach(p)
-                kept = _readable(wrapper, record, stepped_whole) and (whole or not wrapper.shard_parameters)
+                kept = (not wrapper.shard_parameters or record.held) and (whole or not wrapper.shard_parameters)
                 p.data = p.data.clone() if kept else _unheld(p, failed=not wait)
+            wrapper.records.release()  # this rank steps nothing now; pieces and masters are no longer its tensors
         wrapper._flat_buffers, wrapper._buckets = [], []
         for t in wrapper._registered:
             if wrapper_of(t) is wrapper:
@@ -90,13 +90,6 @@ def _unshard_for_release(wrapper: Releasing) -> set[nn.Parameter]:
 
     wrapper.param_sync.gather_each(into_own_storage)
     return own
-
-
-def _readable(wrapper: Releasing, record: ParamRecord, stepped_whole: frozenset[nn.Parameter]) -> bool:
-    """Whether the parameter's values are held on this rank now (always, unless sharded and its bucket is freed);
-    ``stepped_whole``: the parameters this rank stepped whole."""
-    return not wrapper.shard_parameters or record.param in stepped_whole \
-        or record.bucket.param.state is ParamState.READY
 
 
 def _unheld(p: nn.Parameter, failed: bool) -> torch.Tensor:

@@ -62,14 +62,14 @@ def plan_or_check_layout(specs: list[ParamSpec], layout: Layout | None, ranks: R
     """The layout planned here for the owner group, or the one handed in, checked to fit."""
     r = ranks
     if layout is None:
-        return plan_layout(specs, r.owner_size, bucket_size, cost, expert_group_size=r.expert_owner_size,
+        return plan_layout(specs, r.owner_group_size, bucket_size, cost, expert_group_size=r.expert_group_size,
                            follow_layers=follow_layers, replicas=r.replicas, expert_replicas=r.expert_replicas)
-    _check_layout(layout, specs, r.owner_size, bucket_size, r.expert_owner_size, r.replicas, r.expert_replicas)
+    _check_layout(layout, specs, r.owner_group_size, bucket_size, r.expert_group_size, r.replicas, r.expert_replicas)
     return layout
 
 
-def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucket_size: int,
-                  expert_owner_size: int | None, replicas: int = 1, expert_replicas: int = 1) -> None:
+def _check_layout(layout: Layout, specs: list[ParamSpec], owner_group_size: int, bucket_size: int,
+                  expert_group_size: int | None, replicas: int = 1, expert_replicas: int = 1) -> None:
     """A layout handed in (planned once, by the caller) must fit this module, these groups and this bucket size."""
     shapes = {s.name: s.shape for s in specs}
     planned = {n: slot.shape for n, slot in layout.params.items()}
@@ -78,9 +78,9 @@ def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucke
     kinds = {s.name: s.kind for s in specs}
     other_kind = sorted(n for n, slot in layout.params.items()
                         if n in kinds and layout.buffers[slot.buffer].kind != kinds[n])
-    expert_ranks = sorted({b.shards for b in layout.buffers if b.kind == "expert"} - {expert_owner_size or owner_size})
+    expert_ranks = sorted({b.shards for b in layout.buffers if b.kind == "expert"} - {expert_group_size or owner_group_size})
     g = layout.group_size
-    problem = (f"planned for {g} ranks per owner group, not {owner_size}" if g != owner_size else
+    problem = (f"planned for {g} ranks per owner group, not {owner_group_size}" if g != owner_group_size else
                f"shared among {layout.replicas} owner groups, not {replicas}" if layout.replicas != replicas else
                f"shared among {layout.expert_replicas} expert owner groups, not {expert_replicas}"
                if layout.expert_replicas != expert_replicas and any(b.kind == "expert" for b in layout.buffers) else
@@ -90,7 +90,7 @@ def _check_layout(layout: Layout, specs: list[ParamSpec], owner_size: int, bucke
                if planned != shapes else
                f"splits {split_whole[:3]}, which this wrapper owns whole" if split_whole else
                f"planned with {other_kind[:3]} in buffers of another kind (expert or dense)" if other_kind else
-               f"planned with expert buffers over {expert_ranks[0]} ranks, not {expert_owner_size or owner_size}"
+               f"planned with expert buffers over {expert_ranks[0]} ranks, not {expert_group_size or owner_group_size}"
                if expert_ranks else None)
     if problem is not None:
         raise ValueError(f"LayerwiseDataParallel(layout=...) does not fit: the layout was {problem}. Plan it with "

@@ -43,7 +43,7 @@ def _resume_worker(rank, world, optimizer, strategy, fmt, path, bucket_size=40_0
             stepped = set() if wrapper is None else {p for _, p in wrapper.named_owned_parameters()}
             inspected["only_owned"] = wrapper is None or all(p in stepped for p in opt.state)
             inspected["split"] = [] if wrapper is None else [n for n, s in wrapper.layout.params.items() if s.split]
-            inspected["replicas"] = 1 if wrapper is None else world // wrapper.ranks.owner_size
+            inspected["replicas"] = 1 if wrapper is None else world // wrapper.ranks.owner_group_size
             inspected["owned"] = None if wrapper is None else len(list(wrapper.named_owned_parameters()))
             inspected["params_at_start"] = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
             names = {p: n for n, p in pl_module.named_parameters()}
@@ -129,7 +129,7 @@ def test_two_owner_groups_resume_at_three_ranks_at_one_and_under_ddp(tmp_path, f
     group of 3), at 1 rank, at 4 ranks as 2 x 2 and as 4 groups of 1, at 2 ranks without element-wise fill,
     and (full format) under ddp. The optimizer state is held once in the world whatever the shape."""
     reference = run_distributed(_run_worker, 4, "adamw", "layerwise", fmt, str(tmp_path), 40_000_000, 2)
-    assert [r["owner_size"] for r in reference] == [2] * 4
+    assert [r["owner_group_size"] for r in reference] == [2] * 4
     path = str(tmp_path / f"step={STEPS}.ckpt")
     targets = [(6, "layerwise", 2, True), (3, "layerwise", 3, True), (1, "layerwise", None, True),
                (4, "layerwise", 2, True),

@@ -356,7 +356,7 @@ def test_the_number_of_new_group_calls_at_1024_ranks(monkeypatch):
     assert groups.owner is not None and groups.replica is not None
     unsplit_dense = sorted(calls)
     calls.clear()
-    ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_owner_group_size=8)
+    ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_group_size=8)
     # dense as above; expert: 16 expert-parallel groups of 64, 64 expert data-parallel groups of 16 (+ their
     # all-gather communicators), and in each, 2 owner groups of 8 (+ all-gather) and 8 replica groups of 2
     assert len(calls) == 265 + 16 + 2 * 64 + 64 * (2 * 2 + 8), len(calls)
@@ -369,7 +369,7 @@ def test_the_number_of_new_group_calls_at_1024_ranks(monkeypatch):
     assert sorted(tuple(ranks) for family in splits for ranks in family) == unsplit_dense
     assert all(sorted(r for ranks in family for r in ranks) == list(range(1024)) for family in splits), "disjoint"
     splits.clear()
-    ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_owner_group_size=8)
+    ProcessGroups.create(owner_group_size=8, expert_parallel_size=64, expert_group_size=8)
     assert not calls and len(splits) == 10, len(splits)
     assert sorted(tuple(ranks) for family in splits for ranks in family) == unsplit_all
 

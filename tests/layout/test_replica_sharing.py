@@ -369,7 +369,7 @@ def test_late_collectives_change_no_bit_at_six_ranks_as_three_groups_of_two():
 def _expert_worker(rank: int, world: int, E: int, g: int, ge: int | None, bucket_size: int = 4096) -> dict:
     from helpers import NUM_EXPERTS, global_names, train_moe, wrap_moe
 
-    groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=g, expert_owner_group_size=ge)
+    groups = ProcessGroups.create(expert_parallel_size=E, owner_group_size=g, expert_group_size=ge)
     model, opt, ddp, experts = wrap_moe(groups, E, "muon", bucket_size)
     with CountNewtonSchulz() as counter:
         train_moe(ddp, opt, rank, world, before_step=counter.step)

@@ -108,7 +108,7 @@ def _parity_worker(rank, world, opt_name, joint_setup, owner_group_size=None, ro
         opt = fabric.setup_optimizers(optimizer(opt_name, model))
     norms = train_steps(fabric, model, opt, [t[:rows] for t in batches()], rank, world)
     split = {n for n, s in fabric.strategy.wrapper.layout.params.items() if s.split}
-    assert fabric.strategy.process_groups.owner_size == (owner_group_size or world)
+    assert fabric.strategy.process_groups.owner_group_size == (owner_group_size or world)
     params = params_of(model)  # the last all-gather is awaited by the read guard
     fabric.strategy.teardown()
     return params, norms, split

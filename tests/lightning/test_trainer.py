@@ -372,7 +372,7 @@ def _owner_groups_worker(rank, world, optimizer, owner_group_size):
 
     class Inspect(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            sizes.append(trainer.strategy.wrapper.ranks.owner_size)
+            sizes.append(trainer.strategy.wrapper.ranks.owner_group_size)
 
     params = {}
     for strategy in ("ddp", llw.LayerwiseStrategy(owner_group_size=owner_group_size, bucket_size=512)):

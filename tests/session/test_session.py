@@ -57,7 +57,7 @@ def _plan_once_worker(rank: int, world: int, E: int, opt_name: str) -> dict:
         session.step(opt)
     session.sync_parameters()
     layout = session.wrapper.layout
-    out = {"handed_down": len(chosen) == 1 and layout is chosen[0], "owner_size": session.groups.owner_size,
+    out = {"handed_down": len(chosen) == 1 and layout is chosen[0], "owner_group_size": session.groups.owner_group_size,
            "expert_buffers": [b.shards for b in layout.buffers if b.kind == "expert"],
            "split": sorted(n for n, s in layout.params.items() if s.split),
            "params": global_names(model, session.expert_parallel_rank * (NUM_EXPERTS // E))}
@@ -76,7 +76,7 @@ def test_the_session_plans_once_with_the_experts_and_equals_one_process(opt_name
         assert r["expert_buffers"] == [2], "experts planned over their 2 expert data-parallel ranks"
         for name, value in r["params"].items():
             assert rel_err(value, ref[name]) <= TOL, (opt_name, rank, name, rel_err(value, ref[name]))
-    assert len({r["owner_size"] for r in results}) == 1
+    assert len({r["owner_group_size"] for r in results}) == 1
     if opt_name == "adamw":
         assert results[0]["split"], "element-wise fill split some AdamW parameter (the optimizer was seen)"
 
