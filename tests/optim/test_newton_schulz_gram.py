@@ -81,6 +81,17 @@ def test_gram_path_orthogonalizes_and_transposes_tall_matrices():
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 8])
+def test_gram_path_with_any_number_of_steps(steps):
+    """Restarts fall before iteration 2, 5, 8, ...: none for one or two steps, the last restart anywhere."""
+    G = _matrix(32, 160, "condition_1e6", seed=6)[None]
+    ref = newton_schulz(G, steps, "quintic", 1e-7, torch.float64)[0]
+    standard = newton_schulz(G, steps, "quintic", 1e-7, torch.float32)[0]
+    gram = newton_schulz_gram(G, steps, "quintic", 1e-7, torch.float32)[0]
+    floor = 2 * steps * torch.finfo(torch.float32).eps * math.sqrt(160)
+    assert _relative_error(gram, ref) <= _relative_error(standard, ref) + floor
+
+
 def test_batched_gram_equals_one_matrix_at_a_time():
     g = torch.Generator().manual_seed(2)
     stack = torch.randn(3, 2, 16, 56, generator=g)
