@@ -18,7 +18,8 @@ Inputs are Gaussian matrices (a stand-in for momentum; real gradients are lower-
 which moves ``max|sigma - 1|`` but not the timings).
 
 Writes ``benchmarks/results/newton_schulz_<device>.json`` (``..._threads<N>.json`` with
-``--threads N``).
+``--threads N``). On a shared CPU, ``--threads 1`` gives the steadiest numbers: with
+every core busy, multi-threaded kernels spend their time waiting at barriers.
 
 ``--gram`` times the Gram iteration (``newton_schulz_gram``, Note [Gram Newton-Schulz] in
 ``optim/orthogonalization.py``) against the standard one on each Llama-3 8B/70B matrix shape,
@@ -27,8 +28,7 @@ of the full shape takes minutes on a CPU); ``--quick`` divides the timed shapes 
 
     python benchmarks/bench_newton_schulz.py --gram --quick --threads 1
 
-It writes ``newton_schulz_gram_<device>[_quick][_threads<N>].json``. On a shared CPU, ``--threads 1`` gives the steadiest numbers: with
-every core busy, multi-threaded kernels spend their time waiting at barriers.
+It writes ``newton_schulz_gram_<device>[_quick][_threads<N>].json``.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def print_gram_table(result: dict) -> None:
           f"({result['schedule']}), median of {result['repeats']}")
     columns = [harness.Column("shape", 12, align="<"), harness.Column("ns_dtype", 9, align="<"),
                harness.Column("standard ms", 12, ".1f"), harness.Column("gram ms", 9, ".1f"),
-               harness.Column("speedup", 8), harness.Column("err std/gram", 18), harness.Column("max|s-1| std/gram", 18)]
+               harness.Column("speedup", 8), harness.Column("err std/gram", 18),
+               harness.Column("max|s-1| std/gram", 18)]
     rows = []
     for r in result["rows"]:
         acc = r["accuracy"]

@@ -161,7 +161,8 @@ def muon_step(
     ``second_moments`` (NorMuon, Note [NorMuon]) each ``O`` is normalized per row by :func:`normuon_rows` and the
     paper's step size replaces ``adjust_lr``. Matrices are processed one Newton-Schulz chunk at a time (at most
     ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz] in ``optim/orthogonalization.py``), each
-    on the iteration ``ns_algorithm`` picks for its shape (Note [Gram Newton-Schulz] there); each matrix's update depends only on its own gradient and state, so the order changes nothing.
+    on the iteration ``ns_algorithm`` picks for its shape (Note [Gram Newton-Schulz] there); each matrix's update
+    depends only on its own gradient and state, so the order changes nothing.
     """
     if not params:
         return
@@ -283,7 +284,7 @@ class Muon(Optimizer):
         ns_eps: floor of the Frobenius norm that normalises the input.
         ns_dtype: dtype of the iteration (bf16 is fast; float32 for exact tests).
         ns_algorithm: ``"standard"`` iterates on each matrix (op for op as ``torch.optim.Muon``);
-            ``"gram"`` on its small Gram matrix ``X X^T``, in float32; ``"auto"`` takes the Gram
+            ``"gram"`` on its small Gram matrix ``X X^T`` (in float32); ``"auto"`` takes the Gram
             path where ``ns_dtype`` is bf16 and a matrix's longer side is at least twice its
             shorter (Note [Gram Newton-Schulz] in ``optim/orthogonalization.py``).
         adjust_lr: per-shape lr scale, see :func:`adjust_lr_scale`.

@@ -132,7 +132,8 @@ NORMUON_DEFAULTS = {"normuon_beta2": 0.95, "normuon_eps": 1e-8}
 _NORMUON_MEANING = {"normuon_beta2": "second-moment decay", "normuon_eps": "floor of the row normalization"}
 _SCALES_NORMUON_REPLACES = ("match_rms_adamw", "spectral")
 _MUON_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps", "ns_dtype", "ns_algorithm",
-              "adjust_lr", "batched", "ns_batch_bytes", "normuon", "normuon_beta2", "normuon_eps", "stack", "split", "split_dim")
+              "adjust_lr", "batched", "ns_batch_bytes", "normuon", "normuon_beta2", "normuon_eps", "stack", "split",
+              "split_dim")
 _ADAMW_KEYS = ("betas", "eps")
 _OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
 
