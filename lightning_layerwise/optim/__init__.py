@@ -4,7 +4,8 @@ from lightning_layerwise.optim.elementwise import ELEMENTWISE_OPTIMIZERS, elemen
 from lightning_layerwise.optim.matrices import MatrixView, mark_matrices, matrix_shapes, matrix_views
 from lightning_layerwise.optim.muon import Muon, adjust_lr_scale, muon_step, muon_update, normuon_rows
 from lightning_layerwise.optim.muon_options import DEFAULT_NS_BATCH_BYTES, NS_SCHEDULES, resolve_ns_coefficients
-from lightning_layerwise.optim.orthogonalization import newton_schulz, newton_schulz_reference, orthogonalize
+from lightning_layerwise.optim.orthogonalization import (newton_schulz, newton_schulz_gram, newton_schulz_reference,
+                                                          orthogonalize)
 from lightning_layerwise.optim.qk_clip import (head_factors, mark_attention, max_attention_logits,
                                                record_attention_logits)
 from lightning_layerwise.optim.param_groups import describe_param_groups, muon_param_groups, route_parameters
@@ -28,6 +29,7 @@ __all__ = [
     "muon_step",
     "muon_update",
     "newton_schulz",
+    "newton_schulz_gram",
     "newton_schulz_reference",
     "normuon_rows",
     "orthogonalize",

@@ -50,8 +50,8 @@ from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _functional_adamw
 
 from .matrices import MATRICES_ATTRIBUTE, PLAIN, MatrixView, matrix_blocks, matrix_shapes
-from .muon_options import (ADJUST_LR_MODES, DEFAULT_NS_BATCH_BYTES, AdjustLR, NSCoefficients, NSDtype, check_group,
-                           check_group_view, checked_defaults, param_label, resolve_dtype)
+from .muon_options import (ADJUST_LR_MODES, DEFAULT_NS_BATCH_BYTES, AdjustLR, NSAlgorithm, NSCoefficients, NSDtype,
+                           check_group, check_group_view, checked_defaults, param_label, resolve_dtype)
 from .orthogonalization import ns_chunks, orthogonalize
 
 __all__ = [
@@ -147,6 +147,7 @@ def muon_step(
     adjust_lr: AdjustLR | None,
     batched: bool,
     ns_batch_bytes: int | None = None,
+    ns_algorithm: NSAlgorithm = "standard",
     views: Sequence[MatrixView | None] | None = None,
     second_moments: Sequence[Tensor] | None = None,
     normuon_beta2: float = 0.95,
@@ -159,8 +160,9 @@ def muon_step(
     one ``(out, rest)`` matrix), then ``block -= lr * adjust_lr_scale(block shape) * O`` for each matrix. With
     ``second_moments`` (NorMuon, Note [NorMuon]) each ``O`` is normalized per row by :func:`normuon_rows` and the
     paper's step size replaces ``adjust_lr``. Matrices are processed one Newton-Schulz chunk at a time (at most
-    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz] in ``optim/orthogonalization.py``); each
-    matrix's update depends only on its own gradient and state, so the order changes nothing.
+    ``ns_batch_bytes`` of stacked matrices; Note [chunked Newton-Schulz] in ``optim/orthogonalization.py``), each
+    on the iteration ``ns_algorithm`` picks for its shape (Note [Gram Newton-Schulz] there); each matrix's update
+    depends only on its own gradient and state, so the order changes nothing.
     """
     if not params:
         return
@@ -187,7 +189,7 @@ def muon_step(
                 if target is not None:
                     targets[i] = target
         ortho = orthogonalize([directions[entries[e][0]][entries[e][1]] for e in idx], ns_steps, ns_coefficients,
-                              ns_eps, ns_dtype, batched=stacked)
+                              ns_eps, ns_dtype, batched=stacked, algorithm=ns_algorithm)
         for e, O in zip(idx, ortho):
             i, j = entries[e]
             p, shape = params[i], shapes[i][j]
@@ -281,6 +283,10 @@ class Muon(Optimizer):
             triple for every step, or a per-step sequence of triples (the last repeats).
         ns_eps: floor of the Frobenius norm that normalises the input.
         ns_dtype: dtype of the iteration (bf16 is fast; float32 for exact tests).
+        ns_algorithm: ``"standard"`` iterates on each matrix (op for op as ``torch.optim.Muon``);
+            ``"gram"`` on its small Gram matrix ``X X^T`` (in float32); ``"auto"`` takes the Gram
+            path where ``ns_dtype`` is bf16 and a matrix's longer side is at least twice its
+            shorter (Note [Gram Newton-Schulz] in ``optim/orthogonalization.py``).
         adjust_lr: per-shape lr scale, see :func:`adjust_lr_scale`.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults;
             a group's own ``lr``/``betas``/``eps``/``weight_decay`` keys win.
@@ -316,6 +322,7 @@ class Muon(Optimizer):
         ns_coefficients: NSCoefficients = "simple",
         ns_eps: float = 1e-7,
         ns_dtype: NSDtype = torch.bfloat16,
+        ns_algorithm: NSAlgorithm = "standard",
         adjust_lr: AdjustLR | None = "original",
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
@@ -336,6 +343,7 @@ class Muon(Optimizer):
             ns_coefficients=ns_coefficients,
             ns_eps=ns_eps,
             ns_dtype=ns_dtype,
+            ns_algorithm=ns_algorithm,
             adjust_lr=adjust_lr,
             adamw_lr=adamw_lr,
             adamw_betas=adamw_betas,
@@ -466,6 +474,7 @@ class Muon(Optimizer):
             batched=group["batched"],
             # A group loaded from a state dict saved before this key existed lacks it.
             ns_batch_bytes=group.get("ns_batch_bytes", self.defaults["ns_batch_bytes"]),
+            ns_algorithm=group.get("ns_algorithm", "standard"),
             views=[view] * len(params),
             second_moments=moments if normuon else None,
             normuon_beta2=group.get("normuon_beta2", 0.95),

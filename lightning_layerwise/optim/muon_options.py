@@ -34,12 +34,13 @@ from torch import Tensor
 
 from .matrices import MatrixView, check_view
 
-__all__ = ["DEFAULT_NS_BATCH_BYTES", "NORMUON_DEFAULTS", "NS_SCHEDULES", "check_group", "check_group_view",
-           "checked_defaults", "resolve_ns_coefficients"]
+__all__ = ["DEFAULT_NS_BATCH_BYTES", "GRAM_MIN_ASPECT", "NORMUON_DEFAULTS", "NS_ALGORITHMS", "NS_SCHEDULES",
+           "check_group", "check_group_view", "checked_defaults", "resolve_ns_coefficients"]
 
 Triple = tuple[float, float, float]
 NSCoefficients = Union[str, Triple, Sequence[Triple]]
 AdjustLR = Literal["original", "match_rms_adamw", "spectral"]
+NSAlgorithm = Literal["standard", "gram", "auto"]
 NSDtype = Union[torch.dtype, Literal["bfloat16", "float16", "float32", "float64"]]
 
 # Per-step (a, b, c) of the odd quintic p(x) = a x + b x^3 + c x^5 applied to the
@@ -71,6 +72,11 @@ NS_SCHEDULES: dict[str, tuple[Triple, ...]] = {
 }
 
 ADJUST_LR_MODES = ("original", "match_rms_adamw", "spectral", None)
+# How Newton-Schulz iterates (Note [Gram Newton-Schulz] in optim/orthogonalization.py): on the matrix itself, on
+# its Gram matrix, or on the Gram matrix in bf16 where the longer side is at least GRAM_MIN_ASPECT times the
+# shorter.
+NS_ALGORITHMS = ("standard", "gram", "auto")
+GRAM_MIN_ASPECT = 2
 # The most bytes one Newton-Schulz stack holds by default (Note [chunked Newton-Schulz] in
 # optim/orthogonalization.py): 128 bf16 matrices of 1024x1024 or 2 of 8192x8192 per batched call, enough to amortise
 # launches.
@@ -125,8 +131,9 @@ NORMUON_DEFAULTS = {"normuon_beta2": 0.95, "normuon_eps": 1e-8}
 """What ``Muon(normuon_beta2=None, normuon_eps=None)``, the defaults, stand for (Note [options that do nothing])."""
 _NORMUON_MEANING = {"normuon_beta2": "second-moment decay", "normuon_eps": "floor of the row normalization"}
 _SCALES_NORMUON_REPLACES = ("match_rms_adamw", "spectral")
-_MUON_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps", "ns_dtype", "adjust_lr", "batched",
-              "ns_batch_bytes", "normuon", "normuon_beta2", "normuon_eps", "stack", "split", "split_dim")
+_MUON_KEYS = ("momentum", "nesterov", "ns_steps", "ns_coefficients", "ns_eps", "ns_dtype", "ns_algorithm",
+              "adjust_lr", "batched", "ns_batch_bytes", "normuon", "normuon_beta2", "normuon_eps", "stack", "split",
+              "split_dim")
 _ADAMW_KEYS = ("betas", "eps")
 _OPTIMIZER_KEYS = ("adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
 
@@ -143,6 +150,7 @@ def checked_defaults(defaults: Mapping[str, Any]) -> dict[str, Any]:
     check_ns(where, d["ns_coefficients"], d["ns_steps"])
     check_nonneg(where, "ns_eps", d["ns_eps"], "1e-7")
     d["ns_dtype"] = resolve_dtype(where, d["ns_dtype"])
+    check_ns_algorithm(where, d["ns_algorithm"])
     check_adjust_lr(where, d["adjust_lr"])
     check_nonneg(where, "adamw_lr", d["adamw_lr"], "3e-4")
     check_betas(where, "adamw_betas", d["adamw_betas"])
@@ -187,6 +195,8 @@ def check_group(where: str, group: Mapping[str, Any], defaults: Mapping[str, Any
         check_adjust_lr(where, group["adjust_lr"])
     if "ns_dtype" in group:
         resolve_dtype(where, group["ns_dtype"])
+    if "ns_algorithm" in group:
+        check_ns_algorithm(where, group["ns_algorithm"])
     if "ns_batch_bytes" in group:
         check_batch_bytes(where, group["ns_batch_bytes"])
     values = {**defaults, **group}  # the settings in force for this group
@@ -251,6 +261,14 @@ def _check_in_force(where: str, values: Mapping[str, Any], set_here: Sequence[st
 def _without_normuon(where: str, key: str, value: Any) -> ValueError:
     return ValueError(f"{where}{key}={value!r} has no effect without normuon=True: it is NorMuon's "
                       f"{_NORMUON_MEANING[key]}. Pass normuon=True to use NorMuon, or leave {key} out.")
+
+
+def check_ns_algorithm(where: str, value: Any) -> None:
+    if not isinstance(value, str) or value not in NS_ALGORITHMS:
+        raise ValueError(
+            f"{where}ns_algorithm={value!r} is invalid: use 'standard' (iterate on the matrix, as torch.optim.Muon), "
+            f"'gram' (iterate on its Gram matrix) or 'auto' (the Gram matrix in bf16 where the longer side "
+            f"is at least {GRAM_MIN_ASPECT} times the shorter), e.g. ns_algorithm='auto'")
 
 
 def check_bool(where: str, name: str, value: Any) -> None:
