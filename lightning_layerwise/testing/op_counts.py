@@ -56,7 +56,7 @@ class OpCounts(TorchDispatchMode):
         total = self.marks[last].copy()
         total.subtract(self.marks[first])
         steps = last - first
-        return Counter({name: n // steps for name, n in total.items() if n > 0})
+        return Counter({name: n / steps for name, n in total.items() if n > 0})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
@@ -68,6 +68,6 @@ class OpCounts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def copies(counts: Counter[str]) -> int:
+def copies(counts: Counter[str]) -> float:
     """The device copies among ``counts`` (:data:`COPIES`)."""
     return sum(counts.get(name, 0) for name in COPIES)

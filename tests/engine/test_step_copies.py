@@ -1,4 +1,4 @@
-"""Device copies per steady-state step, counted with a ``TorchDispatchMode`` (``lightning_layerwise.testing.op_counts``).
+"""Device copies per steady-state step, counted by a ``TorchDispatchMode`` (``lightning_layerwise.testing.op_counts``).
 
 On one process, under every way of clearing gradients (``optimizer.zero_grad()`` with ``set_to_none`` either way,
 ``model.zero_grad()``) and every front door (the bare wrapper loop, ``LayerwiseSession``, the Trainer with AdamW,
