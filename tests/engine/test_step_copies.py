@@ -13,10 +13,13 @@ model's 12 parameters, and a budget of copies touching the wrapper's buffers. Wh
 * the Trainer's automatic optimization: Lightning's clone of the loss;
 * Muon: Newton-Schulz stacks each matrix's update into one batch (``_stack_as`` in ``optim/orthogonalization.py``).
 
-A step with no backward after a forward that restarted accumulation steps nothing, as plain torch would.
+A step with no backward after a forward that restarted accumulation steps nothing, as plain torch would, and the
+patterns around that restart train bitwise as plain torch does.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import lightning as L
 import pytest
@@ -128,6 +131,43 @@ def test_a_step_without_backward_after_a_cleared_forward_steps_nothing():
 
     for got, want in zip(train(True), train(False), strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("pattern", ["zero_grad_twice", "no_grad_forward_between", "no_sync_micro_batches",
+                                     "never_cleared"])
+def test_the_bare_loop_equals_plain_torch_bitwise(pattern):
+    """Around the forward's restart: ``zero_grad`` again between the forward and the backward (the copy path), a
+    forward under ``no_grad`` between steps, micro-batches under ``no_sync``, gradients never cleared (carried)."""
+    def train(wrapped: bool) -> list[torch.Tensor]:
+        model = net()
+        optimizer = torch.optim.AdamW(model.parameters())
+        wrapper = LayerwiseDataParallel(model, ProcessGroups.single()) if wrapped else None
+        forward = wrapper if wrapped else model
+        no_sync = wrapper.no_sync if wrapped else contextlib.nullcontext
+        x = inputs()
+        for i in range(4):
+            if pattern != "never_cleared":
+                optimizer.zero_grad()
+            loss = forward(x * (i + 1)).square().mean()
+            if pattern == "zero_grad_twice":
+                optimizer.zero_grad()
+            if pattern == "no_sync_micro_batches":
+                with no_sync():
+                    loss.backward()
+                loss = forward(x * (i + 2)).square().mean()
+            loss.backward()
+            if wrapped:
+                wrapper.finish_grad_sync()
+            optimizer.step()
+            if wrapped:
+                wrapper.start_param_sync()
+            if pattern == "no_grad_forward_between":
+                with torch.no_grad():
+                    forward(x)
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, want in zip(train(True), train(False), strict=True):
+        assert torch.equal(got, want), pattern
 
 
 # --- Lightning: the Trainer and Fabric -------------------------------------------------------------------------------
