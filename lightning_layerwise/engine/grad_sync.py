@@ -259,7 +259,7 @@ class GradientSync:
         them before the forward), restarts accumulation now, so that the slots are the ``.grad`` autograd adds
         into (Note [in-place gradients]). While a gradient is held, :meth:`prepare_backward` restarts, carrying it.
         """
-        if self._grads_handed_out and self._restarts_before_forward and not self._any_gradient_held():
+        if self._grads_handed_out and self._has_inplace_gradients and not self._any_gradient_held():
             self._restart_accumulation(carry=False)
             self._restarted_before_forward = True
 
@@ -645,7 +645,7 @@ class GradientSync:
                 rec.hook.remove()
                 rec.hook = None
         self._unhooked = [rec for rec in self._gradients if rec.hook is None]
-        self._restarts_before_forward = any(rec.inplace for rec in self._gradients)
+        self._has_inplace_gradients = any(rec.inplace for rec in self._gradients)
 
     def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""
