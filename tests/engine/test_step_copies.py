@@ -24,6 +24,7 @@ import contextlib
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.fabric import Fabric
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -172,6 +173,15 @@ def test_the_bare_loop_equals_plain_torch_bitwise(pattern):
 
 # --- Lightning: the Trainer and Fabric -------------------------------------------------------------------------------
 
+@pytest.fixture
+def one_process_group():
+    """The Trainer and Fabric on one CPU device start a gloo group of one in this process: it ends with the test, so
+    that the tests after it fork their ranks from a process without one."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class Net(L.LightningModule):
     def __init__(self, optimizer: str = "adamw", manual: bool = False):
         super().__init__()
@@ -212,7 +222,7 @@ class Marks(L.Callback):
     ("adamw", "bf16-mixed", False, 1),
     ("adamw", "32-true", True, 0),
 ], ids=["adamw", "muon", "bf16-mixed", "manual"])
-def test_the_trainer_copies_no_gradient(optimizer, precision, manual, total):
+def test_the_trainer_copies_no_gradient(optimizer, precision, manual, total, one_process_group):
     counts = OpCounts()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy="layerwise", max_steps=STEPS + 1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -224,7 +234,7 @@ def test_the_trainer_copies_no_gradient(optimizer, precision, manual, total):
 
 
 @pytest.mark.parametrize("set_to_none, total", [(True, 0), (False, 1)])
-def test_fabric_copies_no_gradient(set_to_none, total):
+def test_fabric_copies_no_gradient(set_to_none, total, one_process_group):
     fabric = Fabric(accelerator="cpu", devices=1, strategy="layerwise")
     fabric.launch()
     model = net()
