@@ -26,7 +26,11 @@ gpt
     optimizer step) and peak memory for: plain single-device training; the
     layer-wise wrapper with ``ProcessGroups.single()`` (no communication) and
     with real one-rank process groups (NCCL); ``DistributedDataParallel`` on a
-    one-rank NCCL group. Target: layer-wise <= 1.02x plain.
+    one-rank NCCL group. Target: layer-wise <= 1.02x plain. With ``--profile``,
+    also each variant's aten operations per step, counted (untimed) with
+    ``lightning_layerwise.testing.op_counts.OpCounts``: calls in all, device
+    copies (``aten.copy_``, ``aten.clone``), the copies that touch the wrapper's
+    buffers, and the most frequent operations.
 optimizer_dp8
     The optimizer step of the busiest rank at a simulated dp=8: a stack of 4
     Llama-3-8B layers with embeddings and head is planned with
@@ -72,6 +76,7 @@ from lightning_layerwise.layout import (  # noqa: E402
     param_specs,
 )
 from lightning_layerwise.optim import muon_param_groups, newton_schulz, route_parameters  # noqa: E402
+from lightning_layerwise.testing.op_counts import BUFFER_COPIES, OpCounts  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.harness import summary, time_ms  # noqa: E402
@@ -255,11 +260,61 @@ def _gpt_variant(name: str, config: GPTConfig, device: torch.device, world: Worl
 GPT_VARIANTS = ("plain", "layerwise_single", "layerwise_pg1", "ddp_pg1")
 
 
-def bench_gpt(device: torch.device, quick: bool, world: World1, batch: int | None = None) -> dict:
-    config, batch = gpt_config(quick, batch)
+def gpt_batch(config: GPTConfig, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one batch every GPT step runs on: tokens and targets."""
     g = torch.Generator(device=device).manual_seed(3)
     idx = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
     targets = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
+    return idx, targets
+
+
+PROFILE_WARMUP, PROFILE_STEPS, PROFILE_TOP = 3, 2, 8
+
+
+def profile_gpt(device: torch.device, quick: bool, world: World1, batch: int | None = None) -> dict:
+    """``--profile``: each GPT variant's aten operations per steady-state step (after warm-up steps), untimed."""
+    config, batch = gpt_config(quick, batch)
+    idx, targets = gpt_batch(config, batch, device)
+    profiles = {}
+    for name in GPT_VARIANTS:
+        free_memory(device)
+        step, losses, (model, runner, opt) = _gpt_variant(name, config, device, world)
+        for _ in range(PROFILE_WARMUP):
+            step(idx, targets)
+        counts = OpCounts()
+        if isinstance(runner, llw.LayerwiseDataParallel):
+            counts.watch(runner)
+        with counts:
+            for _ in range(PROFILE_STEPS):
+                counts.mark()
+                step(idx, targets)
+            counts.mark()
+        if isinstance(runner, llw.LayerwiseDataParallel):
+            runner.param_sync.finish()
+        per_step = counts.per_step(0, PROFILE_STEPS)
+        buffer_copies = per_step.pop(BUFFER_COPIES, 0)
+        profiles[name] = {"ops": sum(per_step.values()), "copy_": per_step.get("aten.copy_", 0),
+                          "clone": per_step.get("aten.clone", 0), "buffer_copies": buffer_copies,
+                          "parameters": sum(1 for _ in model.parameters()),
+                          "top": dict(per_step.most_common(PROFILE_TOP))}
+        del step, losses, model, runner, opt
+    free_memory(device)
+    return profiles
+
+
+def profile_table(profiles: dict) -> str:
+    """``--profile``'s table: one row per variant."""
+    rows = [[name, fmt(p["ops"], "g"), fmt(p["copy_"], "g"), fmt(p["clone"], "g"),
+             fmt(p["buffer_copies"], "g"), str(p["parameters"]),
+             ", ".join(f"{op.removeprefix('aten.')} {n:g}" for op, n in p["top"].items())]
+            for name, p in profiles.items()]
+    return harness.markdown_table(["variant", "ops/step", "copy_/step", "clone/step", "buffer copies/step",
+                                   "parameters", "most frequent ops/step"], rows)
+
+
+def bench_gpt(device: torch.device, quick: bool, world: World1, batch: int | None = None) -> dict:
+    config, batch = gpt_config(quick, batch)
+    idx, targets = gpt_batch(config, batch, device)
     warmup, repeats, rounds = (1, 2, 1) if quick else (4, 15, 2)
     samples: dict[str, list[float]] = {v: [] for v in GPT_VARIANTS}
     peaks: dict[str, int | None] = {}
@@ -434,7 +489,8 @@ def _md_gpt(gpt: dict) -> list[str]:
             "", f"Worst layer-wise ratio {fmt(gpt['worst_layerwise_ratio'], '.3f')}x "
             f"(target <= {gpt['target_ratio']}: {'met' if gpt['target_met'] else 'missed'}); "
             f"{gpt['rounds']} rounds x {gpt['repeats_per_round']} timed steps after {gpt['warmup']} "
-            "warm-ups.", ""]
+            "warm-ups.", ""] + (["aten operations per step (`--profile`, untimed):", "",
+                                 profile_table(gpt["profile"]), ""] if "profile" in gpt else [])
 
 
 def _md_optimizer_dp8(opt: dict) -> list[str]:
@@ -491,10 +547,14 @@ def run_sections(device: torch.device, sections: list[str], args: argparse.Names
         world = World1(device)
         try:
             result["gpt"] = bench_gpt(device, args.quick, world, args.gpt_batch)
+            print("gpt: " + ", ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in result["gpt"]["variants"].items()),
+                  flush=True)
+            if args.profile:
+                result["gpt"]["profile"] = profile_gpt(device, args.quick, world, args.gpt_batch)
+                print("gpt --profile: aten operations per step\n" + profile_table(result["gpt"]["profile"]),
+                      flush=True)
         finally:
             world.close()
-        print("gpt: " + ", ".join(f"{k} {v['median_ms']:.2f} ms" for k, v in result["gpt"]["variants"].items()),
-              flush=True)
     if "optimizer_dp8" in sections:
         result["optimizer_dp8"] = bench_optimizer_dp8(device, args.quick)
         print("optimizer_dp8: replicated "
@@ -509,6 +569,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpt-batch", type=int, default=None,
                         help="the GPT step's batch size (default 8; 2 with --quick)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--profile", action="store_true",
+                        help="with the gpt section: each variant's aten operations and device copies per step")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     sections = [s for s in args.sections.split(",") if s]

@@ -548,6 +548,7 @@ class LayerwiseSession:
                 "inside no_sync (fabric.no_backward_sync / trainer.model.no_sync()) or bypassed the strategy (a "
                 "bare loss.backward() instead of self.manual_backward(loss) / fabric.backward(loss)). Run the "
                 "step's last backward through the strategy and outside no_sync.")
+        wrapper.grad_sync.before_step()
 
     def after_step(self, optimizer: Optional[Optimizer] = None) -> None:
         """Masters written back, the all-gather started (awaited by the next forward), replicas checked.

@@ -470,6 +470,7 @@ class LayerwiseDataParallel(nn.Module):
             new = self._fixed_module.check()  # Note [fixed module] in ``engine/module_checks.py``
             if new:
                 self._new_trainable(new)
+            self.grad_sync.before_forward()  # Note [in-place gradients] in ``engine/grad_sync.py``
             if self._broadcast_buffers:
                 self._broadcast_module_buffers()
 

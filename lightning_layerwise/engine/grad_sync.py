@@ -19,8 +19,8 @@ Note [gradient lifecycle]
     "adds to them" needs care: the buffer's own shard holds the reduced sum so far, and every other element holds
     local gradients already sent.
 
-    So each backward after a sync first *restarts accumulation* (:meth:`LayerwiseDataParallel.prepare_backward`,
-    called by the strategies before every backward, else by the gradient hook or :meth:`finish_grad_sync`). A
+    So each backward after a sync first *restarts accumulation* (:meth:`prepare_backward`, called by the strategies
+    before every backward, else by the gradient hook or :meth:`finish`; or by the forward, Note [in-place gradients]). A
     unit whose gradient is still held (the tensor the optimizer steps, or its master, has a ``.grad``) is
     *carried*: its reduced gradient is set aside (a ``.grad`` zeroed in place carries zero; one the user replaced
     carries its value). Then the buffer is zeroed and every ``.grad`` set to ``None``, so autograd never adds into
@@ -45,7 +45,10 @@ Note [in-place gradients]
     marks the bucket. Other parameters, and a ``.grad`` that arrives as a new tensor, take the copy path. A new
     tensor where the slot was assigned is the whole gradient since the restart (the user cleared or set
     ``.grad``; ``backward(create_graph=True)`` summed out of place), so it is copied, not added. After the sync
-    every ``.grad`` but those handed out is ``None`` again.
+    every ``.grad`` but those handed out is ``None`` again. So the restart must come before autograd makes a
+    ``.grad``: when every gradient was cleared (``zero_grad()`` before the forward, the usual loop) the training
+    forward restarts (:meth:`GradientSync.before_forward`); a step with no backward since then drops the zeroed
+    slots (:meth:`GradientSync.before_step`), so it finds no gradient, as under ``ddp``.
 
     The ``.grad`` given is an alias of the slot's memory (``GradRecord.grad``), not a view of the buffer, with a
     version counter of its own that autograd's in-place add bumps. On one process, which reduces nothing, such
@@ -160,6 +163,7 @@ class GradientSync:
         """The lists of parameters a norm is given, and their votes (Note [parameter lists] in ``engine/clip.py``)."""
         self._micro_batch_is_last = True
         self._grads_handed_out = False
+        self._restarted_before_forward = False  # by before_forward, and no sync since
         self._any_seen = False  # a gradient arrived this accumulation (per parameter: GradRecord.seen)
         self._next_reduce = 0  # position in _reduce_order of the next bucket to dispatch
         # Note [replica reduce in backward]: buckets with chunks whose in-group reduce-scatter is dispatched and
@@ -249,6 +253,27 @@ class GradientSync:
         for first: its collective reads and writes the buffer being zeroed.
         """
         self._restart_accumulation(carry=False, assign=False)
+
+    def before_forward(self) -> None:
+        """Call before a training forward: after a sync whose gradients were all cleared (the usual loop clears
+        them before the forward), restarts accumulation now, so that the slots are the ``.grad`` autograd adds
+        into (Note [in-place gradients]). While a gradient is held, :meth:`prepare_backward` restarts, carrying it.
+        """
+        if self._grads_handed_out and self._has_inplace_gradients and not self._any_gradient_held():
+            self._restart_accumulation(carry=False)
+            self._restarted_before_forward = True
+
+    def before_step(self) -> None:
+        """Call before an optimizer step: if no backward ran since :meth:`before_forward` restarted, every
+        ``.grad`` is ``None`` again, so the step finds no gradient, as it would have without that restart."""
+        if self._restarted_before_forward and not self._grads_handed_out and not self.grads_pending:
+            self.zero_grad_buffer()
+            self._restarted_before_forward = False
+
+    def _any_gradient_held(self) -> bool:
+        """Whether any unit's optimizer-side tensor has a ``.grad`` (Note [gradient lifecycle])."""
+        with torch._C.DisableTorchFunctionSubclass():  # .grad of a guarded parameter without its Python hook
+            return any(unit.stepped.grad is not None for unit in self._records.units)
 
     def prepare_backward(self) -> None:
         """Call before a backward: after a sync, restarts accumulation (Note [gradient lifecycle]).
@@ -529,6 +554,7 @@ class GradientSync:
                 continue
             self._hand_out(unit)
         self._grads_handed_out = True
+        self._restarted_before_forward = False
         self.synced_at = next(_SYNCS)
 
     def _start_flag_reduces(self) -> None:
@@ -619,6 +645,7 @@ class GradientSync:
                 rec.hook.remove()
                 rec.hook = None
         self._unhooked = [rec for rec in self._gradients if rec.hook is None]
+        self._has_inplace_gradients = any(rec.inplace for rec in self._gradients)
 
     def handed_out_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is a gradient the last sync handed out (a ``.grad`` or ``main_grad``)."""

@@ -1,4 +1,5 @@
-"""CPU smoke test of ``benchmarks/bench_gpu.py``: the quick sizes run end to end and the report has every section.
+"""CPU smoke test of ``benchmarks/bench_gpu.py``: the quick sizes run end to end (with ``--profile``) and the report
+has every section.
 
 About 15 s on 2 CPU cores (the NCCL variants run over gloo there). The real numbers
 come from ``bash scripts/gpu_check.sh`` on a GPU machine.
@@ -20,8 +21,8 @@ def test_bench_gpu_quick_on_cpu_writes_every_section(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "examples")] + [env.get("PYTHONPATH", "")]).rstrip(
         os.pathsep)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    command = [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(tmp_path), "--profile"]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     result = json.loads((tmp_path / "gpu.json").read_text())
     assert (tmp_path / "gpu.md").read_text().startswith("# GPU benchmark")
@@ -48,6 +49,11 @@ def test_bench_gpu_quick_on_cpu_writes_every_section(tmp_path):
     first = {v["first_loss"] for v in gpt["variants"].values()}
     assert max(first) - min(first) < 1e-4, first  # the same model, seed and batch in every variant
     assert {"worst_layerwise_ratio", "target_met", "backend"} <= gpt.keys()
+    # --profile: aten operations per step; the one-process wrapper copies no gradient (Note [in-place gradients])
+    assert set(gpt["profile"]) == set(gpt["variants"])
+    single = gpt["profile"]["layerwise_single"]
+    assert single["ops"] > 0 and single["copy_"] + single["clone"] == 0 and single["buffer_copies"] == 0
+    assert "aten operations per step" in (tmp_path / "gpu.md").read_text()
 
     opt = result["optimizer_dp8"]
     assert opt["dp"] == 8 and opt["replicated"]["median_ms"] > 0
