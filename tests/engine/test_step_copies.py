@@ -20,6 +20,7 @@ patterns around that restart train bitwise as plain torch does.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import lightning as L
 import pytest
@@ -175,11 +176,16 @@ def test_the_bare_loop_equals_plain_torch_bitwise(pattern):
 
 @pytest.fixture
 def one_process_group():
-    """The Trainer and Fabric on one CPU device start a gloo group of one in this process: it ends with the test, so
-    that the tests after it fork their ranks from a process without one."""
+    """The Trainer and Fabric on one CPU device start a gloo group of one in this process and set the launch
+    variables (``MASTER_PORT``, ``LOCAL_RANK``...) in its environment: both end with the test, so that the tests
+    after it fork their ranks from a process without a group, and the processes they start launch their own ranks
+    instead of taking themselves for a launched one."""
+    environ = dict(os.environ)
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 class Net(L.LightningModule):
