@@ -68,6 +68,9 @@ class LayerwiseConfig:
     """Ranks per owner group; ``"auto"``: one group on one node; ``None``: every rank."""
     expert_parallel_size: int = 1
     """Ranks per expert-parallel group (1: no expert parallelism)."""
+    tensor_parallel_size: int = 1
+    """Ranks per tensor-parallel group: the ranks form a ``(data_parallel, tensor_parallel)`` mesh (Note
+    [tensor-parallel mesh] in ``engine/tensor_parallel.py``); 1: no tensor parallelism."""
     shard_parameters: bool = False
     """Each rank holds only its shard of the parameters and gradients between uses; buckets are gathered for
     each forward and backward (Note [sharded parameters] in ``engine/buffers.py``)."""
@@ -142,6 +145,19 @@ class LayerwiseConfig:
             raise ValueError(f"{cls}(expert_parallel_size={self.expert_parallel_size!r}): pass a positive integer "
                              "that divides the number of ranks and every MoE layer's expert count (1: no expert "
                              "parallelism).")
+        if not _is_count(self.tensor_parallel_size):
+            raise ValueError(f"{cls}(tensor_parallel_size={self.tensor_parallel_size!r}): pass a positive integer "
+                             "that divides the processes per node, e.g. 2 (1: no tensor parallelism).")
+        if self.tensor_parallel_size > 1:
+            for name, value, fix in (
+                    ("expert_parallel_size", self.expert_parallel_size != 1, "expert_parallel_size=1"),
+                    ("shard_parameters", self.shard_parameters, "shard_parameters=False"),
+                    ("owner_group_size", self.owner_group_size not in ("auto", None), "owner_group_size=None")):
+                if value:
+                    raise ValueError(
+                        f"{cls}(tensor_parallel_size={self.tensor_parallel_size}, {name}="
+                        f"{getattr(self, name)!r}): tensor parallelism does not combine with {name} yet; pass "
+                        f"{fix}, or tensor_parallel_size=1.")
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise ValueError(f"{cls}(timeout={self.timeout!r}): pass a datetime.timedelta, e.g. "
                              "timeout=timedelta(minutes=30) (in a LightningCLI config: a number of seconds is not "

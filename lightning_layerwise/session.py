@@ -99,6 +99,9 @@ from .engine.masters import MasterWeights
 from .engine.sharded import ReadRules, ShardedParameterSync
 from .optim.elementwise import elementwise_parameters
 from .engine.process_groups import ProcessGroups
+from .engine.tensor_parallel import build_mesh, check_tensor_parallel_optimizer, localize, share_spec
+from .engine.tp_exchange import muon_step_whole
+from .optim.muon import Muon
 
 log = logging.getLogger("lightning_layerwise")
 
@@ -152,8 +155,9 @@ class SessionEnv:
 
 
 class StepCount:
-    """The optimizer steps of a session's run: those taken since wrapping (``replica_check_every`` counts them)
-    and those skipped on every rank because some rank's gradients were not finite (``skip_nonfinite_steps``)."""
+    """The optimizer steps of a session's run: those taken since wrapping (``replica_check_every`` counts them),
+    those skipped on every rank because some rank's gradients were not finite (``skip_nonfinite_steps``), and the
+    layouts planned again between them."""
 
     def __init__(self, session: "LayerwiseSession", name: str) -> None:
         self._session = session
@@ -162,6 +166,8 @@ class StepCount:
         """Optimizer steps since wrapping (or since an optimizer was added)."""
         self.skipped = 0
         """Steps skipped because some rank's gradients were not finite."""
+        self.replans = 0
+        """How often the layout was planned again since wrapping (Note [re-planning])."""
 
     def grads_finite(self) -> bool:
         """Whether every rank's reduced gradients are finite (one all-reduce; ``True`` when not wrapped)."""
@@ -275,8 +281,6 @@ class LayerwiseSession:
         """Complete the all-gather inside each step (a compiled model, or readers between steps)."""
         self.steps = StepCount(self, name)
         """The optimizer steps taken since wrapping and those skipped for non-finite gradients."""
-        self.replans = 0
-        """How often the layout was planned again since wrapping (Note [re-planning])."""
         self.checkpoints = SessionCheckpoints(self, name)
         """This run's checkpoints: names, ownership, the formats, save and restore."""
         self.reads = SessionReads(self, ReadRules(
@@ -287,6 +291,7 @@ class LayerwiseSession:
         self._expert: Optional[Callable[[str, torch.nn.Parameter], bool]] = None  # which parameters are experts
         self._group_counts: list[int] = []  # param groups per optimizer when they last got their pieces
         self._gradient_utilities = None  # the hold on the patched gradient utilities, from wrap to release
+        self._mesh = None  # the device mesh under tensor parallelism, made at first use
 
     # --- the environment ---------------------------------------------------------------------------------------------
     @property
@@ -298,6 +303,26 @@ class LayerwiseSession:
     @env.setter
     def env(self, env: SessionEnv) -> None:
         self._env = env
+
+    @property
+    def _data_parallel_size(self) -> int:
+        """Ranks per data-parallel group: the world, or with tensor parallelism the world over its size."""
+        return self.env.world_size // self.config.tensor_parallel_size
+
+    @property
+    def device_mesh(self):
+        """The ``(data_parallel, tensor_parallel)`` ``DeviceMesh`` (Note [tensor-parallel mesh] in
+        ``engine/tensor_parallel.py``), made at first use (collective); ``None`` without tensor parallelism."""
+        T = self.config.tensor_parallel_size
+        if T == 1:
+            return None
+        if self._mesh is None:
+            world = self.env.world_size
+            if world % T:
+                raise ValueError(f"{self._name}(tensor_parallel_size={T}) does not divide the {world} ranks of this "
+                                 f"run; pass a divisor of {world} (and of the processes per node).")
+            self._mesh = build_mesh(self.env.device.type if self.env.device is not None else "cpu", world, T)
+        return self._mesh
 
     @property
     def expert_parallel_rank(self) -> int:
@@ -320,6 +345,8 @@ class LayerwiseSession:
         self.checkpoints.module, self.checkpoints.released_ownership = module, None
         self.masters, self.reads.failure = None, None
         reject_sparse_gradients(module)  # before any group exists: the same verdict on every rank
+        if self.config.tensor_parallel_size > 1:
+            self._localize(module, optimizers)
         self._elementwise = elementwise
         predicate = self._elementwise_predicate() if elementwise else None
         experts = self._expert_names()
@@ -332,7 +359,8 @@ class LayerwiseSession:
         self.groups = ProcessGroups.create(
             separate_all_gather=self.config.separate_all_gather_group, backend=self.env.backend,
             timeout=self.env.timeout, owner_group_size=owner_group_size, expert_parallel_size=E,
-            expert_group_size=layout.expert_group_size if layout is not None and E > 1 else None)
+            expert_group_size=layout.expert_group_size if layout is not None and E > 1 else None,
+            tensor_parallel_size=self.config.tensor_parallel_size)
         c = self.config
         self.wrapper = LayerwiseDataParallel(
             module, process_groups=self.groups, bucket_size=c.planned_bucket_size, overlap_grad_reduce=c.overlap_grad_reduce,
@@ -352,6 +380,18 @@ class LayerwiseSession:
         self._expert = expert
         self._after_optimizers()
         return self.wrapper
+
+    def _localize(self, module: torch.nn.Module, optimizers: list[Optimizer]) -> None:
+        """Tensor parallelism: the module's DTensor parameters become their local tensors (Note [local
+        parameters] in ``engine/tensor_parallel.py``), in the optimizers too, and Muon orthogonalizes whole
+        matrices (Note [tensor-parallel exchange] in ``engine/tp_exchange.py``)."""
+        replaced = localize(module, self.device_mesh["tensor_parallel"], self._name)
+        for optimizer in optimizers:
+            check_tensor_parallel_optimizer(optimizer, replaced, self.config.elementwise_optimizers, self._name)
+            for group in optimizer.param_groups:
+                group["params"] = [replaced.get(p, p) for p in group["params"]]
+            if isinstance(optimizer, Muon):
+                optimizer._whole_matrices = muon_step_whole
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """An optimizer made after :meth:`wrap` (its parameters are owned whole: the layout is fixed)."""
@@ -376,6 +416,9 @@ class LayerwiseSession:
                 self.masters = MasterWeights(self.wrapper, self.checkpoints.global_names.__getitem__)
             for optimizer in self.optimizers:
                 self.masters.use_in(optimizer)
+                if self.config.tensor_parallel_size > 1:  # a master lies on the mesh as its parameter does
+                    for t in (t for group in optimizer.param_groups for t in group["params"]):
+                        share_spec(t, model_parameter(self.wrapper, t))
         self.checkpoints.refresh_names()
         self._group_counts = [len(optimizer.param_groups) for optimizer in self.optimizers]
 
@@ -406,7 +449,7 @@ class LayerwiseSession:
         taken, self.masters = self.steps.taken, None
         wrapper.rebuild(layout, elementwise=predicate)
         self.reads.attach()
-        self.replans += 1
+        self.steps.replans += 1
         self._use_stepped_tensors()
         self.steps.taken = taken
         if self.optimizers:
@@ -414,7 +457,7 @@ class LayerwiseSession:
 
     def _plan_for_groups(self, specs, has_experts: bool) -> Layout:
         """A layout for the process groups this run already has (the same owner and expert group sizes)."""
-        c, world, groups = self.config, self.env.world_size, self.groups
+        c, world, groups = self.config, self._data_parallel_size, self.groups
         g = groups.owner_group_size
         E = c.expert_parallel_size
         expert_dp_size = world // E if has_experts and E > 1 else None
@@ -429,7 +472,7 @@ class LayerwiseSession:
 
         Experts are planned over their expert data-parallel group whatever the owner group is, as the wrapper
         runs them, so they do not sway the choice."""
-        c, world = self.config, self.env.world_size
+        c, world = self.config, self._data_parallel_size
         E = c.expert_parallel_size
         expert_dp_size = world // E if has_experts and E > 1 else None
         g, layout = world, None
@@ -439,7 +482,8 @@ class LayerwiseSession:
                                  f"ranks of this run; pass a divisor of {world} (e.g. the GPUs per node), 'auto' or "
                                  "None.")
             g = c.owner_group_size
-        elif c.owner_group_size == "auto" and self.env.ranks_per_node and world > self.env.ranks_per_node and specs:
+        elif (c.owner_group_size == "auto" and c.tensor_parallel_size == 1 and self.env.ranks_per_node
+              and world > self.env.ranks_per_node and specs):
             grad_dtype = self._grad_reduce_dtype()
             g, layout = choose_owner_group_size(
                 specs, world, c.planned_bucket_size, ranks_per_node=self.env.ranks_per_node,

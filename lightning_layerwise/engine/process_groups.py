@@ -190,8 +190,11 @@ class ProcessGroups:
         owner_group_size: int | None = None,
         expert_parallel_size: int = 1,
         expert_group_size: int | None = None,
+        tensor_parallel_size: int = 1,
     ) -> "ProcessGroups":
-        """Groups over every rank of the initialized default group.
+        """Groups over every rank of the initialized default group, or with ``tensor_parallel_size=T`` over the
+        data-parallel ranks of this rank's tensor-parallel position (Note [tensor-parallel mesh] in
+        ``engine/tensor_parallel.py``): each group is then made once per position.
 
         ``owner_group_size``: ``g`` dividing the world size splits it into owner groups
         of ``g`` consecutive ranks (Note [owner groups]); ``None`` or the world size:
@@ -200,9 +203,17 @@ class ProcessGroups:
         relative to other group creations. Without an initialized default group (or
         with one rank) returns :meth:`single`.
         """
-        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_available() or not dist.is_initialized():
             return cls.single()
-        world, rank = dist.get_world_size(), dist.get_rank()
+        T = tensor_parallel_size
+        if dist.get_world_size() % T:
+            raise ValueError(f"tensor_parallel_size={T} does not divide the {dist.get_world_size()} ranks.")
+        if T > 1 and expert_parallel_size > 1:
+            raise ValueError("expert parallelism together with tensor parallelism is not supported yet.")
+        world, rank = dist.get_world_size() // T, dist.get_rank() // T  # the data-parallel ranks; this one's place
+        if world == 1:
+            return cls.single()
+        kwargs = {"backend": backend, "timeout": timeout, "positions": T, "position": dist.get_rank() % T}
         g = world if owner_group_size is None else owner_group_size
         if isinstance(g, bool) or not isinstance(g, int) or g < 1 or world % g:
             raise ValueError(f"owner group size {owner_group_size!r} does not divide the {world} data-parallel "
@@ -216,7 +227,6 @@ class ProcessGroups:
         if E > 1 and (isinstance(ge, bool) or not isinstance(ge, int) or ge < 1 or D % ge):
             raise ValueError(f"expert_group_size={expert_group_size!r} does not divide the {D} expert "
                              f"data-parallel ranks; pass a divisor of {D}, or None for one group.")
-        kwargs = {"backend": backend, "timeout": timeout}
         everyone = [list(range(world))]
         dp = _partition(everyone, rank, kwargs)
         experts = cls._expert_groups(world, rank, E, separate_all_gather, kwargs, ge) if E > 1 else {}
@@ -273,6 +283,11 @@ def _partition(parts: list[list[int]], rank: int, kwargs: dict) -> dist.ProcessG
     """The group of ``parts`` (disjoint lists of ranks) that holds ``rank`` (Note [splitting groups]): one
     ``split_group`` call where :func:`can_split`, else one ``new_group`` per part, every rank taking part in
     creating every group (torch requires it)."""
+    T, position = kwargs.get("positions", 1), kwargs.get("position", 0)
+    if T > 1:  # the same parts in every tensor-parallel position t: data-parallel rank d is rank d * T + t
+        parts = [[d * T + t for d in ranks] for t in range(T) for ranks in parts]
+        rank = rank * T + position
+    kwargs = {k: v for k, v in kwargs.items() if k in ("backend", "timeout")}
     if can_split(kwargs):
         return dist.split_group(split_ranks=parts, timeout=kwargs.get("timeout"))
     mine = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -81,6 +81,35 @@ class SessionAdapter(CheckedAccelerator):
         ``engine/process_groups.py``)."""
         self.session.env = session_env(self)
         return self.session.expert_parallel_rank
+
+    @property
+    def device_mesh(self):
+        """The ``(data_parallel, tensor_parallel)`` ``DeviceMesh`` with ``tensor_parallel_size > 1``, as
+        ``ModelParallelStrategy`` names it (Note [tensor-parallel mesh] in ``engine/tensor_parallel.py``); made at
+        first use after launch (collective); ``None`` without tensor parallelism."""
+        self.session.env = session_env(self)
+        return self.session.device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data is split by data-parallel rank: the ranks of one tensor-parallel group read the same batch."""
+        T = self.session.config.tensor_parallel_size
+        return {"num_replicas": self.world_size // T, "rank": self.global_rank // T}
+
+    def _setup_device_mesh(self, module) -> None:
+        """Under tensor parallelism: checks the size against the processes per node and gives ``module`` (a
+        LightningModule) the mesh before ``configure_model`` runs, as ``ModelParallelStrategy`` does."""
+        T = self.session.config.tensor_parallel_size
+        if T == 1:
+            return
+        per_node = self.num_processes
+        if per_node % T:
+            valid = [t for t in range(1, per_node + 1) if per_node % t == 0]
+            raise ValueError(f"{type(self).__name__}(tensor_parallel_size={T}) must divide the {per_node} processes "
+                             f"per node (a tensor-parallel group stays inside a node); valid sizes: {valid}.")
+        mesh = self.device_mesh
+        if module is not None:
+            module._device_mesh = mesh
 
     def sync_parameters(self) -> None:
         """Waits until every rank holds the current parameters (no collective if already synced)."""

@@ -109,6 +109,7 @@ class LayerwiseFabricStrategy(SessionAdapter, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.session.env = session_env(self)
+        self._setup_device_mesh(None)  # fabric.strategy.device_mesh, for a model parallelized before setup
 
     @override
     def setup_module_and_optimizers(

@@ -173,6 +173,13 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             ``strategy.process_groups.expert_parallel``, and expert gradients are
             reduced over the ranks holding the same experts. ``E`` must divide the world
             size and every marked layer's expert count. See docs/moe.md.
+        tensor_parallel_size: ``T > 1`` lays the ranks out as a ``(data_parallel, tensor_parallel)``
+            ``DeviceMesh`` (``T`` consecutive ranks per tensor-parallel group, inside a node), given to the
+            LightningModule as ``self.device_mesh`` before ``configure_model``, where it applies
+            ``parallelize_module`` as under ``ModelParallelStrategy``. The strategy then runs data-parallel over
+            ``data_parallel`` and :class:`lightning_layerwise.Muon` orthogonalizes each tensor-parallel matrix whole,
+            once (Note [tensor-parallel exchange] in ``engine/tp_exchange.py``). See docs/usage.md, "Tensor
+            parallelism".
         shard_parameters: each rank holds only its shard (1/group) of the parameters and
             gradients between uses, as FSDP does, with each matrix still whole on its owner
             (Muon needs no all-to-all). Buckets are all-gathered before their forward and
@@ -209,6 +216,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
         elementwise_optimizers: Sequence[Union[type, str]] = (),
         owner_group_size: Union[int, Literal["auto"], None] = "auto",
         expert_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
         shard_parameters: bool = False,
         reshard_after_forward: bool = True,
         process_group_backend: Optional[str] = None,
@@ -228,7 +236,8 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
             checkpoint_format=checkpoint_format, replica_check_every=replica_check_every,
             skip_nonfinite_steps=skip_nonfinite_steps, elementwise_fill=elementwise_fill,
             elementwise_optimizers=elementwise_optimizers, owner_group_size=owner_group_size,
-            expert_parallel_size=expert_parallel_size, shard_parameters=shard_parameters,
+            expert_parallel_size=expert_parallel_size, tensor_parallel_size=tensor_parallel_size,
+            shard_parameters=shard_parameters,
             reshard_after_forward=reshard_after_forward, timeout=timeout, start_method=start_method,
             owner=type(self).__name__,
         )
@@ -278,6 +287,7 @@ class LayerwiseStrategy(SessionAdapter, DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.session.env = session_env(self)
+        self._setup_device_mesh(self.lightning_module)  # before configure_model, as ModelParallelStrategy
 
     @override
     @contextlib.contextmanager

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -311,6 +311,10 @@ class Muon(Optimizer):
     :func:`mark_matrices` marks. A ``>= 3``-D parameter in a group without ``stack`` is refused.
     """
 
+    _whole_matrices: Callable[..., None] | None = None
+    """Set by the strategy under tensor parallelism: steps a group's matrices with Newton-Schulz on the whole
+    matrices (Note [tensor-parallel exchange] in ``engine/tp_exchange.py``)."""
+
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]] | Iterable[tuple[str, Tensor]],
@@ -458,6 +462,14 @@ class Muon(Optimizer):
                     state["second_moment"] = torch.zeros(second_moment_size(p.shape, view), dtype=torch.float32,
                                                          device=p.device)
                 moments.append(state["second_moment"])
+        if self._whole_matrices is not None:
+            if normuon or view.split is not None or any(p.ndim != 2 for p in params):
+                raise ValueError(
+                    "Muon under tensor parallelism steps plain 2-D matrices for now; NorMuon (normuon=True), "
+                    "stacked or per-head blocks (mark_matrices, mark_attention) and >2-D parameters are not "
+                    f"supported with tensor_parallel_size > 1 yet (param group {self.param_groups.index(group)}).")
+            self._whole_matrices(params, [p.grad for p in params], bufs, group)
+            return
         muon_step(
             params,
             [p.grad for p in params],

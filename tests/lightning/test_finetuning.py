@@ -135,7 +135,7 @@ class Layout(L.Callback):
     def on_train_end(self, trainer, pl_module):
         wrapper = trainer.strategy.wrapper
         self.split = [n for n, p in pl_module.named_parameters() if wrapper.records.piece_of(p) is not None]
-        self.replans = trainer.strategy.session.replans
+        self.replans = trainer.strategy.session.steps.replans
 
 
 def _fit_worker(rank, world, root, case, fill):
@@ -264,7 +264,7 @@ def _loop_worker(rank, world, front):
             session.backward(loss)
             session.step(optimizer)
     split = [n for n, p in model.named_parameters() if session.wrapper.records.piece_of(p) is not None]
-    replans = session.replans
+    replans = session.steps.replans
     if front == "fabric":
         fabric.strategy.teardown()
     else:
@@ -376,7 +376,7 @@ def _masters_worker(rank, world, mode):
                     if before[n].shape == after[n].shape]
         fabric.backward(loss)
         optimizer.step()
-    replans = session.replans
+    replans = session.steps.replans
     fabric.strategy.teardown()
     return {n: p.detach().float() for n, p in model.named_parameters()}, kept, replans
 
