@@ -67,6 +67,7 @@ import torch
 from . import collectives
 from .buffers import GradState
 from .data_parallel import LayerwiseDataParallel
+from .tensor_parallel import is_sharded, sum_over_mesh, tensor_parallel_group
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_", "grad_norm"]
 
@@ -97,6 +98,9 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
         units, votes = wrapper.grad_sync.parameter_lists.units_and_votes(_as_list(parameters))
         if len(units) == len(wrapper.records.units):
             units = None  # all of this rank's gradient: whole shards (padding is zero), fewer kernels
+    tp_group = tensor_parallel_group(record.param for record in wrapper.records)
+    if tp_group is not None and not math.isinf(p):
+        return _norm_over_mesh(wrapper, p, units, votes, tp_group)
     if math.isinf(p):
         device = wrapper.grad_sync.flat_buffers[0].grads.device
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -110,6 +114,8 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
             total, votes = payload[0], payload[1:]
         else:
             total = _all_reduce_max(total, wrapper.process_groups.dp)  # a maximum may count elements twice
+        if tp_group is not None:  # Note [norms over the mesh]: the maximum of the whole gradient
+            total = _all_reduce_max(total, tp_group)
     elif p == 2.0 and units is None and votes is None:
         total = wrapper.grad_sync.grad_norm_squared().sqrt()
     elif p == 2.0:
@@ -119,6 +125,21 @@ def grad_norm(wrapper: LayerwiseDataParallel, norm_type: NormType = 2.0, paramet
     if votes is not None:
         wrapper.grad_sync.parameter_lists.check_votes(votes, "clipping (or a gradient norm)")
     return total
+
+
+def _norm_over_mesh(wrapper: LayerwiseDataParallel, p: float, units, votes, tp_group) -> torch.Tensor:
+    """The ``p``-norm (finite ``p``) under tensor parallelism: the sharded parameters' part summed over the
+    tensor-parallel group, the replicated part counted once (Note [norms over the mesh] in
+    ``engine/tensor_parallel.py``)."""
+    units = list(wrapper.records.units) if units is None else units
+    sync = wrapper.grad_sync
+    fn = (lambda g: g.float().square().sum()) if p == 2.0 else (lambda g: g.float().abs().pow(p).sum())
+    sharded = sync.shard_sum(fn, [u for u in units if is_sharded(u.param)], extra=votes)
+    replicated = sync.shard_sum(fn, [u for u in units if not is_sharded(u.param)])
+    total = sum_over_mesh(sharded, replicated, tp_group)
+    if votes is not None:
+        sync.parameter_lists.check_votes(votes, "clipping (or a gradient norm)")
+    return total.sqrt() if p == 2.0 else total.pow(1.0 / p)
 
 
 def clip_grad_norm_(

@@ -40,6 +40,7 @@ from torch import nn
 from . import clip, collectives, patches
 from .data_parallel import LayerwiseDataParallel
 from .live_wrappers import _LIVE, live_wrappers, wrapper_of
+from .tensor_parallel import is_sharded, sum_over_mesh, tensor_parallel_group
 from .patches import patched_functions  # noqa: F401  an import path of it (Note [patches] in patches.py)
 
 _ORIGINAL: dict[str, Callable] = {}  # torch's implementations, while patched
@@ -265,8 +266,11 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
     groups = wrapper.process_groups
     kinds: dict[bool, list] = {False: [], True: []}  # expert? -> [(name, local value, has gradient)]
     local_norms: dict[str, torch.Tensor] = {}
+    named_params: dict[str, torch.Tensor] = {}
     for name, param in named:
         record = wrapper.records.of(param)
+        if record is not None:
+            named_params[name] = record.param
         if record is None:
             if param.grad is not None:  # not trained by the wrapper: this rank's value, as Lightning computes it
                 local_norms[name] = param.grad.detach().norm(p)
@@ -297,9 +301,28 @@ def per_parameter_norms(wrapper: LayerwiseDataParallel, named: list, p: float) -
         else:
             collectives.all_reduce_sum(both, group)
         n = len(entries)
+        tp_group = tensor_parallel_group(record.param for record in wrapper.records)
+        if tp_group is not None:  # Note [norms over the mesh] in engine/tensor_parallel.py
+            both = _over_mesh(both, [is_sharded(named_params[name]) for name, _, _ in entries], infinite, tp_group)
         has_gradient = both[n:].tolist()  # one host transfer for all of them
         for i, (name, _, _) in enumerate(entries):
             if has_gradient[i] > 0:
                 out[name] = both[i] if infinite else both[i].pow(1.0 / p)
     out.update(local_norms)
     return {name: out[name] for name, _ in named if name in out}
+
+
+def _over_mesh(both: torch.Tensor, sharded: list[bool], infinite: bool, group) -> torch.Tensor:
+    """Per-parameter values and flags of one data-parallel position made the whole gradient's: sharded
+    parameters' sums added over the tensor-parallel group, replicated ones kept (the same on every rank of it);
+    maxima taken over the group."""
+    import torch.distributed as dist
+
+    n = len(sharded)
+    if infinite:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        return both
+    mask = torch.tensor(sharded, dtype=both.dtype, device=both.device)
+    values = both[:n]
+    summed = sum_over_mesh(values * mask, torch.zeros_like(values), group)
+    return torch.cat([summed + values * (1 - mask), both[n:]])

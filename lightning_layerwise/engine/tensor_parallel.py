@@ -27,6 +27,14 @@ Note [local parameters]
     shape. A parameter that was not a DTensor is replicated over the tensor-parallel group: every rank of the
     group holds it whole, and computes the same gradient for it from the same batch.
 
+Note [norms over the mesh]
+    A gradient norm under tensor parallelism is the norm of the full gradient, as one process without it computes:
+    each rank's data-parallel sum covers its tensor-parallel position's local tensors, so the sums of sharded
+    parameters are added over the tensor-parallel group, and a replicated parameter (held whole by every rank of
+    the group) is counted once. :func:`sum_over_mesh` does it with one all-reduce over the group of the sharded
+    part; a maximum (the inf-norm) is taken over the group whole, since a replicated value is the same on every
+    rank. Clipping, ``clip_grad_norm_(model.parameters(), ...)`` and Lightning's ``grad_norm`` go through it.
+
 Note [identical layouts]
     Tensor parallelism shards a matrix evenly, so the ranks of one tensor-parallel group hold local tensors of
     the same shapes under the same names, and plan the same layout: data-parallel position ``d`` owns the same
@@ -160,6 +168,31 @@ def check_dtensor_parameters(module: nn.Module, tp_mesh, owner: str) -> None:
                     f"{size} tensor-parallel ranks, which does not divide {p.shape[dim]}; every rank of a "
                     "tensor-parallel group must hold a shard of the same shape (Note [identical layouts]). Pick a "
                     f"tensor_parallel_size dividing {p.shape[dim]}, or pad that dimension.")
+
+
+def tensor_parallel_group(params) -> Any:
+    """The tensor-parallel group of a run whose parameters are ``params`` (``None`` outside tensor parallelism)."""
+    for p in params:
+        spec = _SPECS.get(p)
+        if spec is not None:
+            return spec.group
+    return None
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a shard of a tensor-parallel parameter (not held whole by its group)."""
+    spec = _SPECS.get(param)
+    return spec is not None and spec.shard_dim is not None
+
+
+def sum_over_mesh(sharded: torch.Tensor, replicated: torch.Tensor, group) -> torch.Tensor:
+    """``sharded`` summed over the tensor-parallel ``group`` plus ``replicated`` counted once (Note [norms over the
+    mesh]); collective over the group."""
+    import torch.distributed as dist
+
+    total = sharded.clone()
+    dist.all_reduce(total, group=group)
+    return total + replicated
 
 
 def check_tensor_parallel_optimizer(optimizer, replaced: dict, elementwise_optimizers, owner: str) -> None:
