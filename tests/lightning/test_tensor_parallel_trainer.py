@@ -98,3 +98,41 @@ def test_trainer_with_tensor_parallel_plan_matches_one_process(world, T, optimiz
             err = ((got[name] - value).norm() / value.norm()).item()
             assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=RTOL, atol=0)
+
+
+def _fabric_fit(rank: int, world: int, T: int) -> tuple[dict, list[float]]:
+    """A LitGPT-style Fabric loop: the model is parallelized over ``fabric.strategy.device_mesh`` before
+    ``fabric.setup``, as under Fabric's ``ModelParallelStrategy``."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=llw.LayerwiseFabricStrategy(tensor_parallel_size=T))
+    fabric.launch()
+    mesh = fabric.strategy.device_mesh
+    torch.manual_seed(0)
+    model = parallelize(TinyLM(), mesh["tensor_parallel"])
+    model, opt = fabric.setup(model, make_optimizer("muon", model))
+    tokens = data(world // T)
+    d = mesh["data_parallel"].get_local_rank()
+    order = list(DistributedSampler(tokens, num_replicas=world // T, rank=d, shuffle=True, seed=0))
+    norms = []
+    for step in range(STEPS):
+        for micro in range(ACCUMULATE):
+            k = step * ACCUMULATE + micro
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                fabric.backward(model.module.loss(tokens[order[k * MICRO:(k + 1) * MICRO]]) / ACCUMULATE)
+        norms.append(float(fabric.clip_gradients(model, opt, max_norm=CLIP)))
+        opt.step()
+        opt.zero_grad()
+    fabric.strategy.sync_parameters()
+    out = full_state(model.module)
+    fabric.strategy.teardown()
+    return out, norms
+
+
+def test_fabric_loop_with_a_model_parallelized_before_setup_matches_one_process():
+    want, want_norms = reference(2, "muon")
+    for rank, (got, norms) in enumerate(run_distributed(_fabric_fit, 4, 2)):
+        for name, value in want.items():
+            err = ((got[name] - value).norm() / value.norm()).item()
+            assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=RTOL, atol=0)
