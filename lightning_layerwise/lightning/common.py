@@ -94,7 +94,7 @@ class SessionAdapter(CheckedAccelerator):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data is split by data-parallel rank: the ranks of one tensor-parallel group read the same batch."""
         T = self.session.config.tensor_parallel_size
-        return {"num_replicas": self.world_size // T, "rank": self.global_rank // T}
+        return {"num_replicas": self.num_nodes * self.num_processes // T, "rank": self.global_rank // T}
 
     def _setup_device_mesh(self, module) -> None:
         """Under tensor parallelism: checks the size against the processes per node and gives ``module`` (a

@@ -136,3 +136,31 @@ def test_fabric_loop_with_a_model_parallelized_before_setup_matches_one_process(
             err = ((got[name] - value).norm() / value.norm()).item()
             assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=RTOL, atol=0)
+
+
+def _bad_size(rank: int, world: int) -> str:
+    module = TPModule("adamw")
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=llw.LayerwiseStrategy(tensor_parallel_size=2),
+                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(module, DataLoader(data(1), batch_size=MICRO))
+    except ValueError as error:
+        assert module.model.blocks[0].attn.q.weight.shape == (32, 32)  # configure_model never ran
+        return str(error)
+    return "no error"
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_processes_per_node_is_refused_before_configure_model():
+    for message in run_distributed(_bad_size, 3):
+        assert "tensor_parallel_size=2" in message and "3 processes per node" in message and "[1, 3]" in message
+
+
+def test_without_tensor_parallelism_there_is_no_mesh_and_data_is_split_as_under_ddp():
+    strategy = llw.LayerwiseStrategy()
+    assert strategy.session.config.tensor_parallel_size == 1
+    assert strategy.session.device_mesh is None
+    from lightning.pytorch.strategies import DDPStrategy
+
+    ddp = DDPStrategy()
+    assert strategy.distributed_sampler_kwargs == ddp.distributed_sampler_kwargs
