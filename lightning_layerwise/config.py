@@ -151,8 +151,7 @@ class LayerwiseConfig:
         if self.tensor_parallel_size > 1:
             for name, value, fix in (
                     ("expert_parallel_size", self.expert_parallel_size != 1, "expert_parallel_size=1"),
-                    ("shard_parameters", self.shard_parameters, "shard_parameters=False"),
-                    ("owner_group_size", self.owner_group_size not in ("auto", None), "owner_group_size=None")):
+                    ("shard_parameters", self.shard_parameters, "shard_parameters=False")):
                 if value:
                     raise ValueError(
                         f"{cls}(tensor_parallel_size={self.tensor_parallel_size}, {name}="

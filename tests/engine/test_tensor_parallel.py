@@ -44,11 +44,11 @@ def reference(optimizer: str, tied: bool) -> dict[str, torch.Tensor]:
 
 
 def train(world: int, T: int, optimizer: str, tied: bool = False, parallel_head: bool = False,
-          orthogonalized: list | None = None) -> dict[str, torch.Tensor]:
+          orthogonalized: list | None = None, owner_group_size: int | None = None) -> dict[str, torch.Tensor]:
     """One run under the session at ``world`` ranks, ``T`` per tensor-parallel group; the full parameters."""
     torch.manual_seed(0)
     model = TinyLM(tied=tied)
-    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=T))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=T, owner_group_size=owner_group_size))
     mesh = session.device_mesh
     parallelize(model, mesh["tensor_parallel"], parallel_head)
     opt = make_optimizer(optimizer, model)
@@ -61,6 +61,8 @@ def train(world: int, T: int, optimizer: str, tied: bool = False, parallel_head:
         session.backward(loss)
         session.step(opt)
         opt.zero_grad()
+    if owner_group_size is not None:  # owner groups inside each tensor-parallel position, sharing the step
+        assert session.groups.owner_group_size == owner_group_size and session.groups.replica is not None
     session.sync_parameters()
     out = full_state(model)
     session.release()
@@ -89,6 +91,14 @@ def assert_matches(results: list, configs: list[tuple]) -> None:
 def test_data_parallel_2_by_tensor_parallel_2_and_tensor_parallel_4_match_one_process():
     configs = [(2, "adamw"), (2, "muon"), (2, "muon", True), (4, "muon"), (4, "adamw", False, True)]
     assert_matches(run_distributed(_configs, 4, configs), configs)
+
+
+@pytest.mark.slow
+def test_owner_groups_inside_each_tensor_parallel_position_match_one_process():
+    """8 ranks: tensor-parallel groups of 2, and over each position's 4 data-parallel ranks owner groups of 2
+    sharing the step (replica sharing, Note [replica sharing] in ``layout/sharing.py``)."""
+    configs = [(2, "muon", False, False, None, 2), (2, "adamw", True, False, None, 2)]
+    assert_matches(run_distributed(_configs, 8, configs), configs)
 
 
 def test_tensor_parallel_2_alone_matches_one_process():
@@ -232,7 +242,6 @@ def test_what_tensor_parallelism_refuses_is_named_before_any_work():
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
     ({"tensor_parallel_size": 2, "shard_parameters": True}, "shard_parameters"),
     ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, "expert_parallel_size"),
-    ({"tensor_parallel_size": 2, "owner_group_size": 2}, "owner_group_size=None"),
 ])
 def test_bad_tensor_parallel_settings_are_refused_at_construction(options, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
