@@ -121,6 +121,9 @@ def localize(module: nn.Module, tp_mesh, owner: str = "LayerwiseStrategy") -> di
                 replaced[dt] = local
             mod._parameters[name] = local
         if names:
+            # The reader looks its spec up here, not in the weak registry: a dict on the module is what
+            # torch.compile traces through without a graph break.
+            mod._tensor_parallel_specs = {name: _SPECS[mod._parameters[name]] for name in names}
             _swap_class(mod, frozenset(names))
     for p in module.parameters():
         if p not in _SPECS:
@@ -235,7 +238,7 @@ def _dtensor_reader(name: str):
         from torch.distributed.tensor import DTensor
 
         local = module._parameters[name]
-        spec = _SPECS[local]
+        spec = module._tensor_parallel_specs[name]
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                                   stride=spec.stride)
 
