@@ -150,8 +150,7 @@ class LayerwiseConfig:
                              "that divides the processes per node, e.g. 2 (1: no tensor parallelism).")
         if self.tensor_parallel_size > 1:
             for name, value, fix in (
-                    ("expert_parallel_size", self.expert_parallel_size != 1, "expert_parallel_size=1"),
-                    ("shard_parameters", self.shard_parameters, "shard_parameters=False")):
+                    ("expert_parallel_size", self.expert_parallel_size != 1, "expert_parallel_size=1"),):
                 if value:
                     raise ValueError(
                         f"{cls}(tensor_parallel_size={self.tensor_parallel_size}, {name}="

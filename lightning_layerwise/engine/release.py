@@ -94,10 +94,11 @@ def _unshard_for_release(wrapper: Releasing) -> set[nn.Parameter]:
 
 def _unheld(p: nn.Parameter, failed: bool) -> torch.Tensor:
     """What a released parameter holds where this rank has no values for it: after a failed collective NaN, never
-    freed memory; at interpreter exit (nothing gathered) a meta tensor, which holds no memory."""
+    freed memory; at interpreter exit (nothing gathered) one element broadcast to its shape, which holds almost no
+    memory (a meta tensor would hold none, but ``p.data`` refuses another device type)."""
     if failed:
         return torch.full(p.shape, math.nan, dtype=p.dtype, device=p.device)
-    return torch.empty(p.shape, dtype=p.dtype, device="meta")
+    return torch.empty(1, dtype=p.dtype, device=p.device).expand(p.shape)
 
 
 def _release_device(device: torch.device, nbytes: int) -> torch.device:

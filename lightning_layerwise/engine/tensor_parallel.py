@@ -132,8 +132,9 @@ def localize(module: nn.Module, tp_mesh, owner: str = "LayerwiseStrategy") -> di
 
 
 def check_dtensor_parameters(module: nn.Module, tp_mesh, owner: str) -> None:
-    """Refuses, before anything changes, DTensor parameters this strategy cannot train: on another mesh (FSDP2's
-    ``fully_shard`` over the data-parallel dimension), sharded twice, or sharded unevenly."""
+    """Refuses, before anything changes, parameters this strategy cannot train under tensor parallelism: on the meta
+    device, DTensors on another mesh (FSDP2's ``fully_shard`` over the data-parallel dimension), sharded twice, or
+    sharded unevenly."""
     from torch.distributed.tensor import DTensor
 
     try:
@@ -148,6 +149,11 @@ def check_dtensor_parameters(module: nn.Module, tp_mesh, owner: str) -> None:
             "(parallelize_module over self.device_mesh['tensor_parallel']), drop fully_shard, and pass "
             "shard_parameters=True to shard parameters.")
     for name, p in module.named_parameters():
+        if p.is_meta:
+            raise ValueError(
+                f"{owner}: parameter {name!r} is on the meta device (trainer.init_module(empty_init=True)); a model "
+                "built on the meta device is not materialized under tensor_parallel_size > 1 yet. Build it on the "
+                "device (empty_init=False).")
         if not isinstance(p, DTensor):
             continue
         mesh = p.device_mesh

@@ -11,6 +11,7 @@ about 1e-7 relative, which the steps carry forward without growing past a few 1e
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -44,11 +45,13 @@ def reference(optimizer: str, tied: bool) -> dict[str, torch.Tensor]:
 
 
 def train(world: int, T: int, optimizer: str, tied: bool = False, parallel_head: bool = False,
-          orthogonalized: list | None = None, owner_group_size: int | None = None) -> dict[str, torch.Tensor]:
+          orthogonalized: list | None = None, owner_group_size: int | None = None,
+          shard_parameters: bool = False) -> dict[str, torch.Tensor]:
     """One run under the session at ``world`` ranks, ``T`` per tensor-parallel group; the full parameters."""
     torch.manual_seed(0)
     model = TinyLM(tied=tied)
-    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=T, owner_group_size=owner_group_size))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=T, owner_group_size=owner_group_size,
+                                                       shard_parameters=shard_parameters))
     mesh = session.device_mesh
     parallelize(model, mesh["tensor_parallel"], parallel_head)
     opt = make_optimizer(optimizer, model)
@@ -63,8 +66,10 @@ def train(world: int, T: int, optimizer: str, tied: bool = False, parallel_head:
         opt.zero_grad()
     if owner_group_size is not None:  # owner groups inside each tensor-parallel position, sharing the step
         assert session.groups.owner_group_size == owner_group_size and session.groups.replica is not None
+    assert session.wrapper.shard_parameters == (shard_parameters and D > 1)
     session.sync_parameters()
-    out = full_state(model)
+    with llw.full_parameters(model) if shard_parameters else contextlib.nullcontext():
+        out = full_state(model)
     session.release()
     return out
 
@@ -99,6 +104,16 @@ def test_owner_groups_inside_each_tensor_parallel_position_match_one_process():
     sharing the step (replica sharing, Note [replica sharing] in ``layout/sharing.py``)."""
     configs = [(2, "muon", False, False, None, 2), (2, "adamw", True, False, None, 2)]
     assert_matches(run_distributed(_configs, 8, configs), configs)
+
+
+@pytest.mark.slow
+def test_sharded_parameters_with_tensor_parallelism_match_one_process():
+    """2-D sharding: each local tensor sharded again over the data-parallel ranks between uses (Note [sharded
+    parameters] in ``engine/buffers.py``), each matrix still whole on its owner, orthogonalized whole over the
+    tensor-parallel group; also with every collective late."""
+    configs = [(2, "muon", True, False, None, None, True), (2, "adamw", False, False, None, None, True)]
+    assert_matches(run_distributed(_configs, 4, configs), configs)
+    assert_matches(run_distributed(_configs, 4, configs[:1], late_ms=LATE_MS), configs[:1])
 
 
 def test_tensor_parallel_2_alone_matches_one_process():
@@ -227,12 +242,19 @@ def _refusals(rank: int, world: int) -> list[str]:
         llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2)).wrap(model, WholeTensor(model.parameters()))
     except ValueError as error:
         messages.append(str(error))
+    with torch.device("meta"):
+        on_meta = TinyLM()
+    try:
+        llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2)).wrap(on_meta)
+    except ValueError as error:
+        messages.append(str(error))
     return messages
 
 
 def test_what_tensor_parallelism_refuses_is_named_before_any_work():
     messages = run_distributed(_refusals, 2)[0]
-    assert len(messages) == 3, messages
+    assert len(messages) == 4, messages
+    assert "meta device" in messages[3] and "empty_init=False" in messages[3]
     assert "shard_parameters=True" in messages[0] and "fully_shard" in messages[0]
     assert "does not divide 3" in messages[1]
     assert "WholeTensor" in messages[2] and "elementwise_optimizers" in messages[2]
@@ -240,7 +262,6 @@ def test_what_tensor_parallelism_refuses_is_named_before_any_work():
 
 @pytest.mark.parametrize("options, words", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size=0"),
-    ({"tensor_parallel_size": 2, "shard_parameters": True}, "shard_parameters"),
     ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, "expert_parallel_size"),
 ])
 def test_bad_tensor_parallel_settings_are_refused_at_construction(options, words):
