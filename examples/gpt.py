@@ -19,12 +19,29 @@ run commands). Use the model directly::
 
 Module names follow nanoGPT's ``model.py`` (``transformer.h.0.attn.c_attn``...), so
 its checkpoints' key names and its parameter-group recipes carry over.
+
+Note [tensor-parallel attention]
+    Tensor parallelism splits each attention projection over the ``T`` ranks of a tensor-parallel group,
+    column-wise (``ColwiseParallel``: a contiguous block of output rows per rank). nanoGPT's fused ``c_attn``
+    stacks its rows as ``[q; k; v]``, so a contiguous split would give rank 0 all of q and part of k: not
+    whole heads. With ``qkv_order="head"`` the same fused matrix stacks its rows head by head,
+    ``[q_0; k_0; v_0; q_1; k_1; v_1; ...]`` (``head_dim`` rows each), so any ``T`` dividing ``n_head`` gives
+    every rank the q, k and v of ``n_head / T`` whole heads, and the attention, which reshapes by its local
+    width, computes with those. It stays one matrix and one GEMM under nanoGPT's name. The head order is a
+    permutation of the rows of the ``[q; k; v]`` order (:func:`head_grouped_rows`), applied at init, so a
+    model built from the same seed in either order is the same function, and Muon's step is the same too
+    (Newton-Schulz commutes with a permutation of rows; AdamW is element-wise). :func:`parallelize_gpt`
+    applies the plan; the output projection ``c_proj`` is row-wise, and the MLP column- then row-wise.
+    Dropout on the replicated activations (embeddings, residual branches) must draw the same mask on every rank
+    of a group, which it does where the ranks share a seed and draw in the same order (``seed_everything``, as
+    Lightning's ranks do); the example configs train with ``dropout=0``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,7 +50,7 @@ from torch import Tensor
 
 import lightning_layerwise as llw
 
-__all__ = ["GPT", "GPTConfig", "example_gpt"]
+__all__ = ["GPT", "GPTConfig", "example_gpt", "head_grouped_rows", "parallelize_gpt", "tensor_parallel_plan"]
 
 
 @dataclass
@@ -59,6 +76,10 @@ class GPTConfig:
     ``3 * n_head`` per-head blocks (``lightning_layerwise.mark_matrices``; Note [matrix views])."""
     qk_clip: bool = False
     """Declare the attention heads and record each forward's largest logit per head, for ``QKClip``."""
+    qkv_order: str = "qkv"
+    """Order of the rows of each fused ``c_attn``: ``"qkv"`` (nanoGPT's ``[q; k; v]``) or ``"head"`` (head by head,
+    ``[q_0; k_0; v_0; q_1; ...]``: what tensor parallelism splits into whole heads; Note [tensor-parallel
+    attention])."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -74,12 +95,21 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: `dropout` must be in [0, 1), got {self.dropout!r}.")
         if self.split_qkv not in ("none", "qkv", "heads"):
             raise ValueError(f"GPTConfig: `split_qkv` must be 'none', 'qkv' or 'heads', got {self.split_qkv!r}.")
+        if self.qkv_order not in ("qkv", "head"):
+            raise ValueError(f"GPTConfig: `qkv_order` must be 'qkv' or 'head', got {self.qkv_order!r}.")
+        if self.qkv_order == "head" and (self.split_qkv == "qkv" or self.qk_clip):
+            raise ValueError(
+                "GPTConfig: split_qkv='qkv' and qk_clip read the rows of c_attn as [q; k; v]; with"
+                " qkv_order='head' they are stacked head by head. Use qkv_order='qkv' with them."
+            )
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
+        self.qkv_order = config.qkv_order
         self.dropout = config.dropout
         # One matrix for q, k and v: a single GEMM, and nanoGPT's parameter names.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
@@ -93,16 +123,22 @@ class CausalSelfAttention(nn.Module):
                                q="c_attn.weight", k="c_attn.weight", k_offset=config.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_dim), the layout SDPA expects.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # Heads by the local width: n_head, or n_head / T on each of T tensor-parallel ranks
+        # (Note [tensor-parallel attention]).
+        qkv = self.c_attn(x)
+        if self.qkv_order == "head":
+            q, k, v = qkv.view(B, T, -1, 3, self.head_dim).unbind(3)
+        else:
+            q, k, v = (t.view(B, T, -1, self.head_dim) for t in qkv.split(qkv.size(-1) // 3, dim=2))
+        # (B, T, heads, head_dim) -> (B, heads, T, head_dim), the layout SDPA expects.
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if self.record_logits:
             llw.record_attention_logits(self, q, k, is_causal=True)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -163,6 +199,12 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.qkv_order == "head":  # the same draws, rows reordered: the [q; k; v] model's function
+            rows = head_grouped_rows(config.n_embd, config.n_head)
+            with torch.no_grad():
+                for block in self.transformer.h:
+                    for p in block.attn.c_attn.parameters():
+                        p.copy_(p[rows])
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -229,6 +271,45 @@ class GPT(nn.Module):
             next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
             idx = torch.cat((idx, next_id), dim=1)
         return idx
+
+
+def head_grouped_rows(n_embd: int, n_head: int) -> Tensor:
+    """Row ``r`` of a head-ordered ``c_attn`` is row ``head_grouped_rows(...)[r]`` of the ``[q; k; v]`` one (Note
+    [tensor-parallel attention]); ``weight[rows]`` reorders a nanoGPT weight, ``weight[rows.argsort()]`` back."""
+    return torch.arange(3 * n_embd).view(3, n_head, n_embd // n_head).transpose(0, 1).reshape(-1)
+
+
+def tensor_parallel_plan(model: GPT) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of Note [tensor-parallel attention]: in every block ``attn.c_attn`` and
+    ``mlp.c_fc`` column-wise, ``attn.c_proj`` and ``mlp.c_proj`` row-wise. The embeddings (the tied head),
+    LayerNorms and biases of the row-wise layers stay whole on every rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, Any] = {}
+    for i in range(len(model.transformer.h)):
+        plan[f"transformer.h.{i}.attn.c_attn"] = ColwiseParallel()
+        plan[f"transformer.h.{i}.attn.c_proj"] = RowwiseParallel()
+        plan[f"transformer.h.{i}.mlp.c_fc"] = ColwiseParallel()
+        plan[f"transformer.h.{i}.mlp.c_proj"] = RowwiseParallel()
+    return plan
+
+
+def parallelize_gpt(model: GPT, tp_mesh: Any) -> GPT:
+    """Applies :func:`tensor_parallel_plan` over the 1-D tensor-parallel ``DeviceMesh`` ``tp_mesh`` (in place)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    config, size = model.config, tp_mesh.size()
+    if config.qkv_order != "head":
+        raise ValueError(
+            "parallelize_gpt: the model's c_attn rows are in [q; k; v] order, which a column-wise split"
+            " cuts across heads; build it with GPTConfig(qkv_order='head') (Note [tensor-parallel attention])."
+        )
+    if config.n_head % size:
+        raise ValueError(
+            f"parallelize_gpt: {size} tensor-parallel ranks must divide n_head ({config.n_head}) so that each"
+            f" rank computes whole heads; pick tensor_parallel_size from the divisors of {config.n_head}."
+        )
+    return parallelize_module(model, tp_mesh, tensor_parallel_plan(model))
 
 
 def example_gpt() -> GPT:

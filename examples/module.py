@@ -33,6 +33,17 @@ Note [vocab_size]
     ``data.vocab_size`` to ``model.vocab_size`` so the model is built in ``__init__``.
     Either way the model exists before the strategy wraps it, and the value is
     written back to ``hparams`` so checkpoints record it.
+
+Note [tensor-parallel module]
+    ``tensor_parallel=True`` builds the GPT with its attention rows in head order
+    (``GPTConfig(qkv_order="head")``, Note [tensor-parallel attention] in ``gpt.py``)
+    and, in ``configure_model``, applies ``parallelize_gpt`` over
+    ``self.device_mesh["tensor_parallel"]``: the mesh that
+    ``LayerwiseStrategy(tensor_parallel_size=T)`` (or Lightning's
+    ``ModelParallelStrategy``) gives the module before ``configure_model``. Without
+    such a mesh it raises. The model is parallelized once, however many times
+    ``configure_model`` runs. ``split_qkv`` and ``qk_clip_tau`` are refused with it:
+    the strategy does not take Muon's matrix views under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -48,9 +59,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 try:  # imported as part of the `examples` package (python -m examples.train, pytest)
-    from .gpt import GPT, GPTConfig
+    from .gpt import GPT, GPTConfig, parallelize_gpt
 except ImportError:  # run as a script, with examples/ itself on sys.path
-    from gpt import GPT, GPTConfig
+    from gpt import GPT, GPTConfig, parallelize_gpt
 
 __all__ = ["GPTLightningModule", "default_optimizer"]
 
@@ -88,6 +99,8 @@ class GPTLightningModule(L.LightningModule):
             (three) or ``"heads"`` (per head); see docs/muon.md.
         qk_clip_tau: QK-clip's logit bound (``lightning_layerwise.QKClip``, Kimi K2 used 100);
             ``None``: off. The attention then records its largest logit per head.
+        tensor_parallel: Split the attention and MLP over the strategy's tensor-parallel ranks
+            (``LayerwiseStrategy(tensor_parallel_size=...)``); see Note [tensor-parallel module].
         optimizer: Factory called with the parameter groups; see Note [optimizer injection].
         lr_scheduler: Optional factory called with the optimizer; it is stepped every
             optimizer step (``interval="step"``).
@@ -104,6 +117,7 @@ class GPTLightningModule(L.LightningModule):
         bias: bool = True,
         split_qkv: str = "none",
         qk_clip_tau: float | None = None,
+        tensor_parallel: bool = False,
         optimizer: OptimizerCallable = default_optimizer,
         lr_scheduler: LRSchedulerCallable | None = None,
     ) -> None:
@@ -113,12 +127,19 @@ class GPTLightningModule(L.LightningModule):
                 f"GPTLightningModule: `vocab_size` must be >= 0, got {vocab_size}; pass the data's"
                 f" vocabulary size, or 0 to read it from the datamodule."
             )
+        if tensor_parallel and (split_qkv != "none" or qk_clip_tau is not None):
+            raise ValueError(
+                "GPTLightningModule: tensor_parallel=True takes split_qkv='none' and qk_clip_tau=None (got"
+                f" split_qkv={split_qkv!r}, qk_clip_tau={qk_clip_tau!r}): the strategy does not take Muon's"
+                " matrix views under tensor parallelism; see docs/usage.md, 'Tensor parallelism'."
+            )
         # The factories are code, not hyperparameters: a CLI-built callable need not
         # pickle, and the CLI saves its own config next to the checkpoints anyway.
         self.save_hyperparameters(ignore=["optimizer", "lr_scheduler"])
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.model: GPT | None = None
+        self._parallelized = False
         if vocab_size > 0:
             self._build(vocab_size)
         else:
@@ -131,6 +152,7 @@ class GPTLightningModule(L.LightningModule):
             block_size=h.block_size, n_layer=h.n_layer, n_head=h.n_head, n_embd=h.n_embd,
             dropout=h.dropout, bias=h.bias, split_qkv=h.get("split_qkv", "none"),
             qk_clip=h.get("qk_clip_tau") is not None,
+            qkv_order="head" if h.get("tensor_parallel", False) else "qkv",
         )
 
     def _build(self, vocab_size: int) -> None:
@@ -146,8 +168,12 @@ class GPTLightningModule(L.LightningModule):
         self.test_ppl = Perplexity()
 
     def configure_model(self) -> None:
-        if self.model is not None:
-            return  # built in __init__, or by an earlier fit/validate call
+        if self.model is None:  # else built in __init__, or by an earlier fit/validate call
+            self._build_from_datamodule()
+        if self.hparams.get("tensor_parallel", False) and not self._parallelized:
+            self._parallelize()
+
+    def _build_from_datamodule(self) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
         vocab_size = getattr(datamodule, "vocab_size", 0)
         if not vocab_size:
@@ -157,6 +183,24 @@ class GPTLightningModule(L.LightningModule):
                 " examples.data.CharDataModule to trainer.fit(model, datamodule=...)."
             )
         self._build(int(vocab_size))
+
+    def _parallelize(self) -> None:
+        """Note [tensor-parallel module]."""
+        mesh = self._device_mesh_or_none()
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            raise ValueError(
+                "GPTLightningModule(tensor_parallel=True): the strategy gave the module no device mesh with a"
+                " 'tensor_parallel' dimension; train it with strategy=LayerwiseStrategy(tensor_parallel_size=T)"
+                " (T dividing n_head and the processes per node), or set tensor_parallel=False."
+            )
+        parallelize_gpt(self.model, mesh["tensor_parallel"])
+        self._parallelized = True
+
+    def _device_mesh_or_none(self) -> Any:
+        try:  # LightningModule.device_mesh; older Lightning versions have no such attribute
+            return self.device_mesh
+        except AttributeError:
+            return None
 
     def on_fit_start(self) -> None:
         # A `trainer.validate()` before `fit` resets the metrics inside inference mode,

@@ -10,6 +10,9 @@ Run from the repository root (after ``bash scripts/setup_env.sh examples``)::
     python examples/train.py fit --config examples/configs/gpu8.yaml
     srun python examples/train.py fit --config examples/configs/slurm_2x8.yaml
 
+    # tensor parallelism: 4 CPU processes, 2 data-parallel x 2 tensor-parallel (docs/usage.md)
+    .venv/bin/python examples/train.py fit --config examples/configs/tp_cpu.yaml
+
     # any option from the command line, e.g. AdamW instead of Muon, your own text
     python examples/train.py fit --config examples/configs/cpu.yaml \
         --model.optimizer torch.optim.AdamW --model.optimizer.lr 3e-3 --data.text_path my.txt

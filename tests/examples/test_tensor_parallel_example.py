@@ -1,0 +1,141 @@
+"""The example GPT under tensor parallelism (``GPTLightningModule(tensor_parallel=True)``, Note [tensor-parallel
+attention] in ``examples/gpt.py``): a Trainer fit with ``LayerwiseStrategy(tensor_parallel_size=2)`` matches the
+same GPT trained without tensor parallelism in one process, the module refuses to run without a mesh, and
+``examples/configs/tp_cpu.yaml`` parses.
+
+The reference is the plain GPT (``[q; k; v]`` rows) from the same seed: the head-ordered model is the same
+function with the rows of each ``c_attn`` permuted, and the comparison un-permutes them. It trains on the global
+batches of the run: Lightning gives each data-parallel rank a ``DistributedSampler`` shuffled with seed 0 (the
+ranks of a tensor-parallel group read the same batch), and the global batch of a step is the data-parallel ranks'
+batches together. Tolerance: float32, relative 1e-5 per parameter after 4 Muon steps, as in
+``tests/engine/test_tensor_parallel.py`` (the runs differ only in the order of float32 sums). Except the key rows
+of each ``c_attn.bias``: their gradient is zero in exact arithmetic (adding ``q . b_k`` to every logit of a query
+leaves its softmax unchanged), so AdamW steps them on rounding noise (``g / sqrt(v)`` of noise is not small), to
+a few 1e-6 in either run; they are held to 1e-4 absolute, against the 1e-2 of the query and value biases.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import yaml
+
+import lightning_layerwise as llw
+from examples.data import CharDataModule
+from examples.gpt import GPT, GPTConfig, head_grouped_rows
+from examples.module import GPTLightningModule
+from tests._dist import reference_threads, run_distributed
+from tests._tp_model import full_state
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = dict(n_layer=2, n_head=4, n_embd=32, block_size=16)
+STEPS, BATCH, T, RTOL = 4, 4, 2, 1e-5
+TEXT = "".join(f"def f{i % 7}(x):\n    return x * {i % 5} + {i % 3}\n" for i in range(200))
+
+
+def muon(groups):
+    return llw.Muon(groups, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+
+
+def data(path: str) -> CharDataModule:
+    return CharDataModule(text_path=path, block_size=SHAPE["block_size"], batch_size=BATCH, val_windows=8)
+
+
+def _fit_tensor_parallel(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    os.environ["PL_GLOBAL_SEED"] = "0"  # Lightning's DistributedSampler seed (a test before may have set another)
+    dm = data(path)
+    torch.manual_seed(0)
+    model = GPTLightningModule(vocab_size=dm.vocab_size, tensor_parallel=True, optimizer=muon, **SHAPE)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=llw.LayerwiseStrategy(tensor_parallel_size=T),
+                        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    return full_state(model.model)
+
+
+def reference(path: str, world: int) -> dict[str, torch.Tensor]:
+    """The plain GPT in one process on the run's global batches, its ``c_attn`` rows put in head order."""
+    from torch.utils.data import DistributedSampler
+
+    dm = data(path)
+    dm.setup("fit")
+    D = world // T
+    orders = [list(DistributedSampler(dm.train_set, num_replicas=D, rank=d, shuffle=True, seed=0)) for d in range(D)]
+    with reference_threads():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=dm.vocab_size, **SHAPE))
+        opt = muon(llw.muon_param_groups(model))
+        for step in range(STEPS):
+            windows = [dm.train_set[i] for d in range(D) for i in orders[d][BATCH * step: BATCH * (step + 1)]]
+            x, y = (torch.stack(t) for t in zip(*windows))
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+    rows = head_grouped_rows(SHAPE["n_embd"], SHAPE["n_head"])
+    return {n: (p[rows] if ".attn.c_attn." in n else p).detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tensor_parallel_example_gpt_matches_one_process(tmp_path, world):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    results = run_distributed(_fit_tensor_parallel, world, str(path))
+    want = reference(str(path), world)
+    start = GPT(GPTConfig(vocab_size=len(set(TEXT)), qkv_order="head", **SHAPE))
+    keys = torch.zeros(SHAPE["n_head"], 3, SHAPE["n_embd"] // SHAPE["n_head"], dtype=torch.bool)
+    keys[:, 1] = True  # the key rows of a head-ordered c_attn.bias
+    keys = keys.view(-1)
+    for rank, got in enumerate(results):
+        assert set(got) == set(want)
+        for name, value in want.items():
+            mine = got[name]
+            if name.endswith("attn.c_attn.bias"):
+                assert (mine[keys] - value[keys]).abs().max() <= 1e-4, f"rank {rank}: {name}, key rows"
+                mine, value = mine[~keys], value[~keys]
+            err = ((mine - value).norm() / value.norm()).item()
+            assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
+            torch.testing.assert_close(got[name], results[0][name], rtol=0, atol=0)
+    moved = max(((want[n] - p).norm() / p.norm()).item() for n, p in start.named_parameters() if p.ndim == 2)
+    assert moved > 1e-2, "training moved the parameters"
+
+
+def test_head_order_is_the_plain_gpt_with_its_rows_permuted():
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(vocab_size=11, **SHAPE))
+    torch.manual_seed(0)
+    grouped = GPT(GPTConfig(vocab_size=11, qkv_order="head", **SHAPE))
+    rows = head_grouped_rows(SHAPE["n_embd"], SHAPE["n_head"])
+    torch.testing.assert_close(grouped.transformer.h[1].attn.c_attn.bias, plain.transformer.h[1].attn.c_attn.bias[rows])
+    idx = torch.randint(0, 11, (2, SHAPE["block_size"]))
+    torch.testing.assert_close(grouped(idx)[0], plain(idx)[0], rtol=0, atol=0)
+
+
+def test_tensor_parallel_without_a_mesh_is_refused():
+    model = GPTLightningModule(vocab_size=11, tensor_parallel=True, **SHAPE)
+    with pytest.raises(ValueError, match=r"LayerwiseStrategy\(tensor_parallel_size=T\)"):
+        model.configure_model()
+    with pytest.raises(ValueError, match="split_qkv='none' and qk_clip_tau=None"):
+        GPTLightningModule(vocab_size=11, tensor_parallel=True, split_qkv="heads", **SHAPE)
+    with pytest.raises(ValueError, match="qkv_order='qkv'"):
+        GPTConfig(qkv_order="head", split_qkv="qkv")
+
+
+def test_tp_cpu_config_parses(capsys, monkeypatch):
+    from examples.train import main
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # the CLI reads args=, not pytest's command line
+    config = ROOT / "examples" / "configs" / "tp_cpu.yaml"
+    with pytest.raises(SystemExit) as exit:
+        main(["fit", "--config", str(config), "--print_config"])
+    assert not exit.value.code
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["devices"] == 4 and printed["model"]["tensor_parallel"] is True
+    strategy = printed["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_layerwise.LayerwiseStrategy"
+    assert strategy["init_args"]["tensor_parallel_size"] == 2
+    assert printed["model"]["optimizer"]["class_path"] == "lightning_layerwise.Muon"
