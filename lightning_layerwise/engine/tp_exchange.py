@@ -78,11 +78,11 @@ def orthogonalize_whole(directions: Sequence[Tensor], specs: Sequence[TensorPara
     send = [[directions[i].contiguous().view(-1) for i in range(len(specs)) if owner[i] == r and sharded[i]]
             for r in range(T)]
     parts = _all_to_all(send, [[directions[i].numel() for i in gathered]] * T, directions[0].dtype, group)
+    slot = {i: k for k, i in enumerate(gathered)}
     whole = []
     for i in mine:
         if sharded[i]:
-            k = gathered.index(i)
-            whole.append(torch.cat([parts[r][k].view(directions[i].shape) for r in range(T)],
+            whole.append(torch.cat([parts[r][slot[i]].view(directions[i].shape) for r in range(T)],
                                    dim=specs[i].shard_dim))
         else:
             whole.append(directions[i])
@@ -147,6 +147,9 @@ def muon_step_whole(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
                              batched=group["batched"], max_batch_bytes=group.get("ns_batch_bytes"),
                              algorithm=group.get("ns_algorithm", "standard"))
 
-    updates = orthogonalize_whole(directions, specs, whole, ns_dtype)
-    for p, O, spec in zip(params, updates, specs):
-        p.add_(O.view_as(p), alpha=-lr * adjust_lr_scale(spec.shape, group["adjust_lr"]))
+    # One exchange per dtype of the directions (one, unless the group mixes parameter dtypes): each travels in its own.
+    for dtype in dict.fromkeys(d.dtype for d in directions):
+        idx = [i for i, d in enumerate(directions) if d.dtype == dtype]
+        updates = orthogonalize_whole([directions[i] for i in idx], [specs[i] for i in idx], whole, ns_dtype)
+        for i, O in zip(idx, updates):
+            params[i].add_(O.view_as(params[i]), alpha=-lr * adjust_lr_scale(specs[i].shape, group["adjust_lr"]))
