@@ -13,6 +13,7 @@ a format.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence, Union
 
@@ -25,6 +26,7 @@ from .checkpoint.files import TorchFileIO, is_local_path, resolve
 from .checkpoint.formats import FORMATS, CheckpointFormat, CheckpointHost, Loaded, format_on_disk
 from .checkpoint.named_state import local_optimizer_state, named_optimizer_state
 from .checkpoint.ownership import CheckpointError, Ownership
+from .checkpoint.tensor_parallel import TensorParallelCheckpoint
 from .experts import expert_key_predicate, grouped_expert_paths
 
 if TYPE_CHECKING:
@@ -101,8 +103,18 @@ class SessionCheckpoints:
         tensors = self.module.state_dict(keep_vars=True)
         in_layout = set() if s.wrapper is None else set(s.wrapper.param_sync.names)
         expert_outside = [t for k, t in tensors.items() if k in self.global_names and t not in in_layout]
-        return Ownership.of(s.wrapper, names, self.is_global_zero, masters, self.global_names.__getitem__,
-                            expert_outside)
+        ownership = Ownership.of(s.wrapper, names, self.is_global_zero, masters, self.global_names.__getitem__,
+                                 expert_outside)
+        return dataclasses.replace(ownership, tensor_parallel=self._tensor_parallel())
+
+    def _tensor_parallel(self) -> Optional[TensorParallelCheckpoint]:
+        """How this rank joins and cuts tensor-parallel shards (Note [tensor-parallel checkpoints] in
+        ``checkpoint/tensor_parallel.py``); ``None`` without tensor parallelism."""
+        s, T = self._session, self._session.config.tensor_parallel_size
+        if T == 1 or self.module is None:
+            return None
+        return TensorParallelCheckpoint.of(self.module, s.groups.dp if s.groups is not None else None,
+                                           joins=s.env.rank < T)  # rank d * T + t: data-parallel position 0
 
     def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """``state_dict`` (this rank's module) with expert keys under their global names."""
@@ -205,7 +217,10 @@ class SessionCheckpoints:
         self._session.sync_parameters()
         wrapper = self._session.wrapper
         if wrapper is None or not wrapper.shard_parameters or module is not self.module:
-            return module.state_dict()
+            state = module.state_dict()
+            tp = self._tensor_parallel() if module is self.module else None
+            # A full file holds full tensors (Note [tensor-parallel checkpoints] in checkpoint/tensor_parallel.py).
+            return state if tp is None or self.save_format.name != "full" else tp.join_state_dict(state)
         return self._sharded_state_dict(module, wrapper)
 
     def _sharded_state_dict(self, module: nn.Module, wrapper: LayerwiseDataParallel) -> dict[str, Any]:
@@ -281,6 +296,9 @@ class SessionCheckpoints:
             raise CheckpointError(
                 f"loading a full checkpoint file with expert_parallel_size={self.expert_parallel_size} is "
                 "not supported yet; load it with expert_parallel_size=1, or resume from a sharded checkpoint.")
+        tp = self._tensor_parallel()
+        if tp is not None:  # each rank keeps its shard of the full tensors
+            state_dict = tp.local_state_dict(state_dict)
         wrapper = self._session.wrapper
         if wrapper is not None and wrapper.shard_parameters:
             load_bucket_by_bucket(self.module, wrapper, state_dict, strict)
@@ -298,14 +316,17 @@ class SessionCheckpoints:
         names = self._names or self.refresh_names()
         keep = self.ownership().reads  # another rank steps the rest: state exists once in the world
         pieces = self._pieces()
+        tp = self._tensor_parallel()
+        shard = None if tp is None else (lambda p, entry: tp.local(names.get(p), entry))
         for optimizer, saved in zip(optimizers, states):
             local = local_optimizer_state(saved, optimizer, names, keep, pieces,
-                                          is_expert=expert_key_predicate(self.module))
+                                          is_expert=expert_key_predicate(self.module), shard=shard)
             local["state"] = {k: _own_copy(v) for k, v in local["state"].items()}  # off a memory-mapped file
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, s.env.device)
             if s.masters is not None and saved.get("master_weights"):
-                s.masters.load_state_dict(saved["master_weights"])
+                masters = saved["master_weights"]
+                s.masters.load_state_dict(masters if tp is None else tp.local_state_dict(masters))
 
     def restore(self, path: Union[Path, str], *, module_key: Optional[str], optimizers: Sequence[Optimizer],
                 load_module: Callable[[dict[str, Any]], None], optimizer_keys: Optional[Sequence[str]] = None,

@@ -141,14 +141,18 @@ class FullFile(CheckpointFormat):
     holds_every_expert = False
 
     def optimizer_state(self, host: CheckpointHost, optimizer: Optimizer) -> dict[str, Any]:
-        """Every rank's part gathered to rank 0 (collective); the other ranks get an empty state."""
+        """Every rank's part gathered to rank 0 (collective); the other ranks get an empty state. Under tensor
+        parallelism each position gathers over its data-parallel group, and the shards are then joined."""
         named = host.named_optimizer_state(optimizer)
         ownership = host.ownership()
+        tp = ownership.tensor_parallel
         with host.naming_failures("gathering the optimizer state to rank 0 for a full checkpoint"):
-            full = gather_named_state(mark_pieces(named, ownership))
-        if full is None:
-            return {"state": {}, "param_groups": named["param_groups"]}
-        return join_pieces(full, ownership.split)
+            marked = mark_pieces(named, ownership)
+            full = gather_named_state(marked) if tp is None else tp.gather(marked)
+            if full is None:
+                return {"state": {}, "param_groups": named["param_groups"]}
+            full = join_pieces(full, ownership.split)
+            return full if tp is None else tp.join_optimizer_state(full)
 
     def save(self, host: CheckpointHost, target: str, checkpoint: Checkpoint, file_io: Any,
              storage_options: Any) -> None:
@@ -202,10 +206,12 @@ class ShardedDirectory(CheckpointFormat):
              storage_options: Any) -> None:
         tensors = host.checkpoint_state(host.module.state_dict(keep_vars=True))
         ownership = host.ownership()
-        state: dict[str, Any] = {MODEL_KEY: model_entries_to_write(
-            host.checkpoint_state(checkpoint.model_state), tensors, ownership)}
+        tp = ownership.tensor_parallel  # chunks of the global tensors (Note [tensor-parallel checkpoints])
+        model = model_entries_to_write(host.checkpoint_state(checkpoint.model_state), tensors, ownership)
+        state: dict[str, Any] = {MODEL_KEY: model if tp is None else tp.sharded_model_entries(model)}
         for index, named in enumerate(checkpoint.optimizer_states):
-            named = pieces_as_sharded_tensors(named, ownership)
+            converted = pieces_as_sharded_tensors(named, ownership)
+            named = converted if tp is None else tp.sharded_optimizer_state(named, converted, ownership)
             if not host.is_global_zero:
                 named.pop("param_groups")  # identical on every rank: written once, by rank 0
             state[optimizer_key(index)] = named

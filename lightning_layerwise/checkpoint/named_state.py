@@ -60,7 +60,8 @@ def named_optimizer_state(optimizer: torch.optim.Optimizer, names: Mapping[torch
 def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
                           names: Mapping[torch.Tensor, str], keep: Callable[[torch.Tensor], bool],
                           pieces: Optional[Mapping[torch.Tensor, tuple[Any, Sequence[int]]]] = None,
-                          is_expert: Callable[[str], bool] = lambda name: False) -> dict[str, Any]:
+                          is_expert: Callable[[str], bool] = lambda name: False,
+                          shard: Optional[Callable[[torch.Tensor, Any], Any]] = None) -> dict[str, Any]:
     """A saved state dict (named or indexed) as ``optimizer.load_state_dict`` input, state only where ``keep``.
 
     ``pieces`` maps each piece of a split parameter the optimizer steps to its
@@ -68,7 +69,9 @@ def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optim
     checkpoints]). Raises :class:`CheckpointError` if the param groups do not line up.
     With expert parameters (``is_expert`` of a name), the named form is matched by name:
     each rank holds other experts than the rank that wrote the param groups (Note
-    [expert checkpoints]); the dense names of each group must still agree.
+    [expert checkpoints]); the dense names of each group must still agree. ``shard(p, entry)``, under tensor
+    parallelism, cuts the full tensors of ``p``'s saved entry to this rank's tensor-parallel shard, before its
+    piece is cut (Note [tensor-parallel checkpoints] in ``checkpoint/tensor_parallel.py``).
     """
     saved_groups, groups = saved["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(groups):
@@ -102,6 +105,8 @@ def local_optimizer_state(saved: Mapping[str, Any], optimizer: torch.optim.Optim
     for k, v in saved.get("state", {}).items():
         if k in by_saved_id and keep(by_saved_id[k]):
             p = by_saved_id[k]
+            if shard is not None:
+                v = shard(p, v)
             if p in pieces:
                 piece, shape = pieces[p]
                 v = {key: piece.cut(value, shape) for key, value in v.items()}

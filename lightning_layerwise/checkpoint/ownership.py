@@ -87,6 +87,9 @@ class Ownership:
     """Tensors of this rank's experts outside the layout (buffers, frozen parameters)."""
     writes_expert_shared: bool = False
     """Whether this rank writes ``expert_outside`` (the first rank of its expert data-parallel group)."""
+    tensor_parallel: Any = None
+    """Under tensor parallelism, how this rank's tensors are shards of the saved ones: a
+    :class:`~lightning_layerwise.checkpoint.tensor_parallel.TensorParallelCheckpoint`; ``None`` without it."""
 
     @classmethod
     def of(cls, wrapper, names: Mapping[torch.Tensor, str], is_global_zero: bool,

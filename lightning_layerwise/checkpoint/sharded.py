@@ -338,9 +338,12 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
             raise CheckpointError(
                 f"sharded checkpoint {str(path)!r} does not match {model_name}: missing keys {missing[:10]}, "
                 f"unexpected keys {unexpected[:10]}. {strict_hint}")
+    tp = ownership.tensor_parallel  # this rank's shards load as chunks of the global tensors
     entries: dict[tuple, Any] = {(MODEL_KEY, key): tensor.detach() for key, tensor in tensors.items()
                                  if key in saved_keys and ownership.reads(tensor)}
-    pieces: dict[tuple, torch.Tensor] = {}  # optimizer entries read as this rank's piece only
+    if tp is not None:
+        entries = {path: tp.loadable(path[1], tensor) for path, tensor in entries.items()}
+    pieces: dict[tuple, torch.Tensor] = {}  # optimizer entries read as this rank's piece (or shard) only
     if n_optimizers:
         saved_optimizers = len({p[0] for p in items if p[0].startswith("optimizer_")})
         if saved_optimizers != n_optimizers:
@@ -357,7 +360,11 @@ def read_sharded_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], own
                 entries[item_path] = empty_like_item(item)
                 piece = ownership.piece(item_path[2]) if part != "param_groups" else None
                 slot = ownership.split.get(item_path[2]) if piece is not None else None
-                if slot is not None and tuple(getattr(item, "size", ())) == tuple(slot.shape):
+                view = tp.read_view(item_path[2], item, ownership) if tp is not None and part != "param_groups" \
+                    else None
+                if view is not None:
+                    pieces[item_path], entries[item_path] = view
+                elif slot is not None and tuple(getattr(item, "size", ())) == tuple(slot.shape):
                     # Only this rank's piece is read (Note [pieces in checkpoints] in ``checkpoint/ownership.py``).
                     flat = torch.empty(piece.numel, dtype=item.properties.dtype)
                     pieces[item_path] = flat
