@@ -187,6 +187,10 @@ class GPTLightningModule(L.LightningModule):
     def _parallelize(self) -> None:
         """Note [tensor-parallel module]."""
         mesh = self._device_mesh_or_none()
+        if mesh is None and self._trainer is None:
+            # No strategy (load_from_checkpoint, plain use): the same model, whole on this process. Its fused rows
+            # stay in head order (qkv_order="head"), as the checkpoint's are.
+            return
         if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
             raise ValueError(
                 "GPTLightningModule(tensor_parallel=True): the strategy gave the module no device mesh with a"

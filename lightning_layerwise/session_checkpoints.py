@@ -113,7 +113,10 @@ class SessionCheckpoints:
         s, T = self._session, self._session.config.tensor_parallel_size
         if T == 1 or self.module is None:
             return None
-        return TensorParallelCheckpoint.of(self.module, s.groups.dp if s.groups is not None else None,
+        # The mesh's own data-parallel group (the same ranks as the engine's): it outlives the run's groups, so a
+        # checkpoint saved after release (trainer.save_checkpoint after fit) still gathers over it.
+        dp = s.device_mesh["data_parallel"]
+        return TensorParallelCheckpoint.of(self.module, dp.get_group() if dp.size() > 1 else None,
                                            joins=s.env.rank < T)  # rank d * T + t: data-parallel position 0
 
     def checkpoint_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,8 @@ class TPModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.device_mesh is None:
-            raise RuntimeError("no device mesh before configure_model")
+            assert self._trainer is None, "the strategy gave no device mesh before configure_model"
+            return  # load_from_checkpoint in a plain process: the model whole
         parallelize(self.model, self.device_mesh["tensor_parallel"])
 
     def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
@@ -55,7 +56,7 @@ def data(world_dp: int) -> torch.Tensor:
     return torch.cat(batches(STEPS * ACCUMULATE, MICRO * world_dp))
 
 
-def _fit(rank: int, world: int, T: int, optimizer: str) -> tuple[dict, list[float]]:
+def _fit(rank: int, world: int, T: int, optimizer: str, path: str) -> tuple[dict, list[float]]:
     module = TPModule(optimizer)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=llw.LayerwiseStrategy(tensor_parallel_size=T),
                         max_steps=STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=CLIP, logger=False,
@@ -63,6 +64,7 @@ def _fit(rank: int, world: int, T: int, optimizer: str) -> tuple[dict, list[floa
     trainer.fit(module, DataLoader(data(world // T), batch_size=MICRO))
     trainer.strategy.sync_parameters()
     assert trainer.strategy.distributed_sampler_kwargs == {"num_replicas": world // T, "rank": rank // T}
+    trainer.save_checkpoint(path)  # the default format for a small model: one full file, keyed by name
     return full_state(module.model), module.norms
 
 
@@ -90,14 +92,20 @@ def reference(world_dp: int, optimizer: str) -> tuple[dict, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world, T, optimizer", [(4, 2, "muon"), (2, 2, "adamw")])
-def test_trainer_with_tensor_parallel_plan_matches_one_process(world, T, optimizer):
+def test_trainer_with_tensor_parallel_plan_matches_one_process(world, T, optimizer, tmp_path):
+    """Also: the checkpoint the Trainer saved opens with ``load_from_checkpoint`` in this plain process, as the
+    model without tensor parallelism, with the trained values."""
     want, want_norms = reference(world // T, optimizer)
     assert max(want_norms) > CLIP  # the clipping acts
-    for rank, (got, norms) in enumerate(run_distributed(_fit, world, T, optimizer)):
+    path = str(tmp_path / "tp.ckpt")
+    for rank, (got, norms) in enumerate(run_distributed(_fit, world, T, optimizer, path)):
         for name, value in want.items():
             err = ((got[name] - value).norm() / value.norm()).item()
             assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(want_norms), rtol=RTOL, atol=0)
+    loaded = TPModule.load_from_checkpoint(path, optimizer=optimizer, map_location="cpu")
+    for name, param in loaded.model.named_parameters():
+        torch.testing.assert_close(param.detach(), got[name], rtol=0, atol=0)
 
 
 def _fabric_fit(rank: int, world: int, T: int) -> tuple[dict, list[float]]:
