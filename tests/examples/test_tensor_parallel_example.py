@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
 
 import lightning as L
@@ -115,8 +116,11 @@ def test_head_order_is_the_plain_gpt_with_its_rows_permuted():
     torch.testing.assert_close(grouped(idx)[0], plain(idx)[0], rtol=0, atol=0)
 
 
-def test_tensor_parallel_without_a_mesh_is_refused():
+def test_tensor_parallel_without_a_mesh_is_refused_under_a_trainer_and_whole_without_one():
     model = GPTLightningModule(vocab_size=11, tensor_parallel=True, **SHAPE)
+    model.configure_model()  # no strategy (load_from_checkpoint, plain use): the same model, whole
+    assert not model._parallelized and model.model.config.qkv_order == "head"
+    model._trainer = types.SimpleNamespace()  # a Trainer whose strategy gave the module no mesh
     with pytest.raises(ValueError, match=r"LayerwiseStrategy\(tensor_parallel_size=T\)"):
         model.configure_model()
     with pytest.raises(ValueError, match="split_qkv='none' and qk_clip_tau=None"):
