@@ -509,6 +509,7 @@ class _Packer:
         self._pending: dict[str, ParamSpec] = {s.name: s for s in queue}
         self._by_size: dict[int, dict[str, None]] = defaultdict(dict)
         self._spare: dict[int, dict[str, None]] = defaultdict(dict)  # the reserved ones, by size
+        self._holes: dict[tuple[bool, int], int] = {}  # names taken from each pool since it was last compacted
         for s in queue:
             (self._spare if s.name in reserved else self._by_size)[aligned(s.numel)][s.name] = None
         self._cursor = 0  # every parameter before queue[cursor] is packed
@@ -527,9 +528,27 @@ class _Packer:
         """Removes ``name`` from what is still to pack and returns its spec."""
         spec = self._pending.pop(name)
         size = aligned(spec.numel)
-        self._by_size[size].pop(name, None)
-        self._spare[size].pop(name, None)
+        key = (name in self._reserved, size)
+        pools = self._spare if key[0] else self._by_size
+        pool = pools[size]
+        del pool[name]
+        # A deleted key leaves a hole that iterating the dict walks over again, and peers are read from the front
+        # of their pool every round: a pool compacted once its holes outnumber its names stays linear in its size.
+        holes = self._holes[key] = self._holes.get(key, 0) + 1
+        if holes > len(pool):
+            pools[size] = dict(pool)
+            self._holes[key] = 0
         return spec
+
+    def first(self) -> str:
+        """The next name still to pack in backward order (the first of :meth:`backward`), without a generator:
+        one is asked for every round."""
+        queue, pending = self._queue, self._pending
+        cursor = self._cursor
+        while queue[cursor].name not in pending:
+            cursor += 1
+        self._cursor = cursor
+        return queue[cursor].name
 
     def backward(self) -> Iterator[str]:
         """Names still to pack, in backward order; safe while the caller takes them.
@@ -574,7 +593,7 @@ class _Packer:
     def seed_round(self) -> _Round:
         """The round of the next parameter in backward order: the seed, its peers, then fill.
         See Note [size matching]."""
-        seed = self.take(next(self.backward()))
+        seed = self.take(self.first())
         contents = [[seed]]
         size = aligned(seed.numel)
         # Peers: unreserved parameters of the seed's size; a reserved seed (one no earlier
@@ -598,6 +617,9 @@ class _Packer:
         """
         length = aligned(seed.numel)
         free = self._group_size - len(contents)
+        if free == 0:  # every shard has a peer (most rounds at scale): nothing to fill, nothing to scan
+            self.gaps[seed.name] = 0
+            return
         if self._reserved:
             shards, gap = self.fill_reserved(length, free, after)
         else:
@@ -657,9 +679,9 @@ class _Packer:
         length = aligned(contents[0][0].numel)  # the seed's
         if length * group_size > self._bucket_size:
             self.close_bucket()  # the round alone exceeds the bucket size: a bucket of its own
-        assigned = _assign_round(length, contents, rank_cost, costs, self._position)
-        for rank, members in enumerate(assigned):
-            rank_cost[rank] += sum(costs[s.name] for s in members)
+        assigned, shard_cost = _assign_round(length, contents, rank_cost, costs, self._position)
+        for rank, cost in enumerate(shard_cost):
+            rank_cost[rank] += cost
         self._open_rounds.append((length, assigned))
         self._shard_fill += length
         if self._shard_fill * group_size >= self._bucket_size:
@@ -689,8 +711,9 @@ class _Packer:
 
 
 def _assign_round(length: int, contents: list[list[ParamSpec]], rank_cost: Sequence[float],
-                  costs: Mapping[str, float], position: Mapping[str, int]) -> list[list[ParamSpec]]:
-    """Which rank's shard holds what in one round: the contents per rank. See Note [owner balancing].
+                  costs: Mapping[str, float], position: Mapping[str, int]) -> tuple[list[list[ParamSpec]], list[float]]:
+    """Which rank's shard holds what in one round: the contents per rank, and the cost of each rank's contents.
+    See Note [owner balancing].
 
     ``contents`` are the round's shards as greedy filling packed them. A round of
     one parameter per shard only chooses ranks (costliest shard to the least
@@ -700,13 +723,15 @@ def _assign_round(length: int, contents: list[list[ParamSpec]], rank_cost: Seque
     if any(len(members) > 1 for members in contents):
         balanced = _balance_round(length, [s for ms in contents for s in ms], rank_cost, costs, position)
         if balanced is not None:
-            return balanced
-    order = sorted(range(group_size), key=lambda i: (-sum(costs[s.name] for s in contents[i]), i))
+            return balanced, [sum(costs[s.name] for s in members) for members in balanced]
+    shard_cost = [sum(costs[s.name] for s in members) for members in contents]
+    order = sorted(range(group_size), key=lambda i: (-shard_cost[i], i))
     ranks = sorted(range(group_size), key=lambda r: (rank_cost[r], r))
     assigned: list[list[ParamSpec]] = [[] for _ in range(group_size)]
+    assigned_cost = [0.0] * group_size
     for rank, i in zip(ranks, order):
-        assigned[rank] = contents[i]
-    return assigned
+        assigned[rank], assigned_cost[rank] = contents[i], shard_cost[i]
+    return assigned, assigned_cost
 
 
 def _balance_round(length: int, members: list[ParamSpec], rank_cost: Sequence[float],

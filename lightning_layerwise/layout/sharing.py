@@ -88,7 +88,8 @@ def share_among_replicas(layout: Layout, specs: Sequence[ParamSpec], replicas: i
     params = {}
     for name, slot in layout.params.items():
         if name in world_pieces:
-            pieces = tuple(sorted(world_pieces[name], key=lambda q: q.start))
+            pieces = world_pieces[name]
+            pieces = tuple(sorted(pieces, key=lambda q: q.start) if len(pieces) > 1 else pieces)
             slot = ParamSlot(name, slot.shape, slot.buffer, slot.bucket, offsets.get(name, slot.offset), pieces)
         params[name] = slot
     buffers = tuple(shared.get(plan.index, plan) for plan in layout.buffers)
@@ -101,66 +102,91 @@ def _share_family(layout: Layout, plans: list[BufferPlan], g: int, replicas: int
     """The buffers ``plans`` (all planned for ``g`` ranks) shared among ``replicas`` (Note [replica sharing]);
     records the new offsets of split shards' parameters and the pieces, whose owners are
     ``replica * g + position``."""
-    # Per shard (buffer, bucket, position): "empty", "even" (element-wise only, cut into equal chunks) or
+    # Per bucket (buffer, bucket), per position: "empty", "even" (element-wise only, cut into equal chunks) or
     # "whole" (stepped by one replica, unless the balancing below splits it into its parameters).
-    shards: dict[tuple[int, int, int], tuple[str, list[tuple[str, ParamSlot, Piece]]]] = {}
+    shards: dict[tuple[int, int], list[tuple[str, list[tuple[str, ParamSlot, Piece]]]]] = {}
     whole: list[list[tuple[tuple[int, int, int], list]]] = [[] for _ in range(g)]  # per position, bucket order
+    slots = layout.params
     for plan in plans:
         for bp in plan.buckets:
             by_position: list[list[tuple[str, ParamSlot, Piece]]] = [[] for _ in range(g)]
             for name in bp.params:
-                slot = layout.params[name]
+                slot = slots[name]
                 for piece in slot.pieces:
                     by_position[piece.owner].append((name, slot, piece))
+            cuts_evenly = bp.shard_size % replicas == 0
+            modes = shards[plan.index, bp.index] = []
             for p, items in enumerate(by_position):
                 if not items:
                     mode = "empty"
-                elif all(elementwise.get(n, False) for n, _, _ in items) and bp.shard_size % replicas == 0:
+                elif cuts_evenly and elementwise.get(items[0][0], False) \
+                        and all(elementwise.get(n, False) for n, _, _ in items):
                     mode = "even"
                 else:
                     mode = "whole"
                     whole[p].append(((plan.index, bp.index, p), items))
-                shards[plan.index, bp.index, p] = (mode, items)
+                modes.append((mode, items))
 
     def job(key: tuple[int, int, int], items: list[tuple[str, ParamSlot, Piece]], name: str = "") -> _Job:
         # Balanced on the matrices' cost alone (the planner's cost function, e.g. Newton–Schulz flops or seconds):
         # an element-wise parameter's cost is its element count, another unit (Note [element-wise fill] in
         # layout/packing.py); it counts in the state, the second key.
-        cost = sum(layout.costs[n] for n, _, _ in items if not elementwise.get(n, False))
-        state = sum(piece.numel * (ELEMENTWISE_STATE if elementwise.get(n, False) else 1) for n, slot, piece in items)
+        if len(items) == 1:  # most shards at scale: one matrix
+            n, _, piece = items[0]
+            if elementwise.get(n, False):
+                return 0, (piece.stop - piece.start) * ELEMENTWISE_STATE, (*key, name)
+            return 0 + costs[n], piece.stop - piece.start, (*key, name)
+        cost, state = 0, 0  # summed in item order, as sum() would
+        for n, _, piece in items:
+            if elementwise.get(n, False):
+                state += (piece.stop - piece.start) * ELEMENTWISE_STATE
+            else:
+                cost += costs[n]
+                state += piece.stop - piece.start
         return cost, state, (*key, name)
 
-    every = [job(key, [item]) for position in whole for key, items in position for item in items]
-    total = sum(j[0] for j in every)
-    floor = max([total / (g * replicas)] + [j[0] for j in every])  # no placement of whole matrices goes below
+    # A parameter's own cost, as job(key, [item]) gives it (0 for an element-wise one), without building the jobs.
+    costs = layout.costs
+    every = [0 if elementwise.get(n, False) else 0 + costs[n]
+             for position in whole for _, items in position for n, _, _ in items]
+    floor = max([sum(every) / (g * replicas)] + every)  # no placement of whole matrices goes below
     replica_of: dict[tuple, int] = {}
     split: set[tuple[int, int, int]] = set()
     for position in whole:
         replica_of.update(_assign_position(position, job, replicas, floor, split))
-    out = {}
-    for plan in plans:
-        buckets = []
-        for bp in plan.buckets:
-            cuts = []
-            for p in range(g):
-                mode, items = shards[plan.index, bp.index, p]
-                lo = bp.shard_range(p)[0]
-                if mode == "empty":  # padding only: nothing to step, nothing to send
-                    cuts.append(())
-                elif (plan.index, bp.index, p) in split:
-                    cuts.append(_relay(items, {n: replica_of[plan.index, bp.index, p, n] for n, _, _ in items}, lo,
-                                       p, g, offsets, world_pieces))
-                elif mode == "whole":
-                    k = replica_of[plan.index, bp.index, p, ""]
-                    for name, _, piece in items:
-                        world_pieces[name].append(Piece(k * g + p, piece.start, piece.stop))
-                    cuts.append(((k, 0),))
-                else:
-                    cuts.append(_cut_evenly(items, lo, bp.shard_size // replicas, replicas, p, g, world_pieces))
-            params = tuple(sorted(bp.params, key=lambda n: offsets.get(n, layout.params[n].offset)))
-            buckets.append(BucketPlan(bp.index, bp.start, bp.end, bp.shards, params, tuple(cuts), replicas))
-        out[plan.index] = BufferPlan(plan.index, plan.dtype, plan.kind, plan.numel, tuple(buckets), plan.shards)
-    return out
+    return {plan.index: _cut_buffer(layout, plan, g, shards, split, replica_of, replicas, offsets, world_pieces)
+            for plan in plans}
+
+
+def _cut_buffer(layout: Layout, plan: BufferPlan, g: int, shards: Mapping, split: set[tuple[int, int, int]],
+                replica_of: Mapping[tuple, int], replicas: int, offsets: dict[str, int],
+                world_pieces: dict[str, list[Piece]]) -> BufferPlan:
+    """``plan`` with every shard cut as :func:`_share_family` decided (``shards``: each one's mode and items); records
+    the pieces and the new offsets of split shards' parameters."""
+    buckets = []
+    for bp in plan.buckets:
+        cuts, moved = [], False
+        for p, (mode, items) in enumerate(shards[plan.index, bp.index]):
+            if mode == "empty":  # padding only: nothing to step, nothing to send
+                cuts.append(())
+            elif split and (plan.index, bp.index, p) in split:
+                moved = True
+                cuts.append(_relay(items, {n: replica_of[plan.index, bp.index, p, n] for n, _, _ in items},
+                                   bp.shard_range(p)[0], p, g, offsets, world_pieces))
+            elif mode == "whole":
+                k = replica_of[plan.index, bp.index, p, ""]
+                owner = k * g + p
+                for name, _, piece in items:
+                    world_pieces[name].append(Piece(owner, piece.start, piece.stop))
+                cuts.append(((k, 0),))
+            else:
+                cuts.append(_cut_evenly(items, bp.shard_range(p)[0], bp.shard_size // replicas, replicas, p, g,
+                                        world_pieces))
+        # Only a split shard moves parameters; otherwise they stay in the planner's order, which is by offset.
+        params = tuple(sorted(bp.params, key=lambda n: offsets.get(n, layout.params[n].offset))) if moved \
+            else bp.params
+        buckets.append(BucketPlan(bp.index, bp.start, bp.end, bp.shards, params, tuple(cuts), replicas))
+    return BufferPlan(plan.index, plan.dtype, plan.kind, plan.numel, tuple(buckets), plan.shards)
 
 
 _Job = tuple  # (cost, state, (buffer, bucket, position, name)): a shard ("" as name) or one of its parameters
@@ -178,29 +204,47 @@ def _assign_position(position: list[tuple[tuple[int, int, int], list]], job: Cal
     keys to ``split``; returns the replica of every job key."""
     divisible = {key: items for key, items in position
                  if len(items) > 1 and all(piece.start == 0 and piece.stop == slot.numel for _, slot, piece in items)}
+    shard_jobs = {key: job(key, items) for key, items in position}
+    # The jobs in LPT order, kept sorted as shards split: a split replaces one job by its parameters' and leaves
+    # every other job's place, so the jobs are costed and sorted once, not again for every split.
+    order = sorted(shard_jobs.values(), key=_lpt_order)
     mine: set[tuple[int, int, int]] = set()
     while True:
-        jobs = [j for key, items in position
-                for j in ([job(key, [item], item[0]) for item in items] if key in mine else [job(key, items)])]
-        heap = [(0.0, 0, k) for k in range(replicas)]
-        bins: list[list[_Job]] = [[] for _ in range(replicas)]
-        for j in sorted(jobs, key=lambda j: (-j[0], -j[1], j[2])):
-            cost, state, k = heapq.heappop(heap)
-            bins[k].append(j)
-            heapq.heappush(heap, (cost + j[0], state + j[1], k))
-        loads, states = [0.0] * replicas, [0] * replicas
-        for cost, state, k in heap:
-            loads[k], states[k] = cost, state
+        bins, loads, states = _longest_first(order, replicas)
         _rebalance(bins, loads, states, floor)
         busiest = max(range(replicas), key=lambda k: (loads[k], k))
         candidates = [j for j in bins[busiest] if j[2][3] == "" and j[2][:3] in divisible]
         if loads[busiest] <= SPLIT_ABOVE * floor or not candidates:
             break
-        mine.add(max(candidates, key=lambda j: (j[0], j[2]))[2][:3])
+        key = max(candidates, key=lambda j: (j[0], j[2]))[2][:3]
+        mine.add(key)
+        order.remove(shard_jobs[key])
+        for item in divisible[key]:
+            bisect.insort(order, job(key, [item], item[0]), key=_lpt_order)
     split |= mine
     replica_of = {j[2]: k for k, bin_k in enumerate(bins) for j in bin_k}
-    _rotate(sorted((j for j in jobs if j[2][3] == ""), key=lambda j: j[2]), replica_of)
+    _rotate(sorted((j for key, j in shard_jobs.items() if key not in mine), key=lambda j: j[2]), replica_of)
     return replica_of
+
+
+def _lpt_order(j: _Job) -> tuple:
+    """Longest processing time first: costliest, then most state, then by key (unique, so the order is total)."""
+    return -j[0], -j[1], j[2]
+
+
+def _longest_first(order: list[_Job], replicas: int) -> tuple[list[list[_Job]], list[float], list[int]]:
+    """``order`` (in :func:`_lpt_order`) assigned longest processing time first: each job to the replica with the
+    least cost so far (then the least state, then the lowest index). Returns the bins, loads and states."""
+    heap = [(0.0, 0, k) for k in range(replicas)]
+    bins: list[list[_Job]] = [[] for _ in range(replicas)]
+    for j in order:
+        cost, state, k = heapq.heappop(heap)
+        bins[k].append(j)
+        heapq.heappush(heap, (cost + j[0], state + j[1], k))
+    loads, states = [0.0] * replicas, [0] * replicas
+    for cost, state, k in heap:
+        loads[k], states[k] = cost, state
+    return bins, loads, states
 
 
 def _relay(items: list[tuple[str, ParamSlot, Piece]], replica: Mapping[str, int], lo: int, position: int, g: int,

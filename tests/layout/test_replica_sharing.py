@@ -152,6 +152,62 @@ def test_a_shard_of_several_matrices_is_split_only_to_balance():
     assert max(whole.rank_costs()) == 2 * max(layout.rank_costs())
 
 
+def _assign_position_afresh(position, job, replicas, floor, split):
+    """``sharing._assign_position`` as written first: after every split, every job costed and sorted again and the
+    longest-processing-time assignment run from scratch."""
+    import heapq
+
+    from lightning_layerwise.layout import sharing
+
+    divisible = {key: items for key, items in position
+                 if len(items) > 1 and all(piece.start == 0 and piece.stop == slot.numel for _, slot, piece in items)}
+    mine = set()
+    while True:
+        jobs = [j for key, items in position
+                for j in ([job(key, [item], item[0]) for item in items] if key in mine else [job(key, items)])]
+        heap, bins = [(0.0, 0, k) for k in range(replicas)], [[] for _ in range(replicas)]
+        for j in sorted(jobs, key=lambda j: (-j[0], -j[1], j[2])):
+            cost, state, k = heapq.heappop(heap)
+            bins[k].append(j)
+            heapq.heappush(heap, (cost + j[0], state + j[1], k))
+        loads, states = [0.0] * replicas, [0] * replicas
+        for cost, state, k in heap:
+            loads[k], states[k] = cost, state
+        sharing._rebalance(bins, loads, states, floor)
+        busiest = max(range(replicas), key=lambda k: (loads[k], k))
+        candidates = [j for j in bins[busiest] if j[2][3] == "" and j[2][:3] in divisible]
+        if loads[busiest] <= sharing.SPLIT_ABOVE * floor or not candidates:
+            break
+        mine.add(max(candidates, key=lambda j: (j[0], j[2]))[2][:3])
+    split |= mine
+    replica_of = {j[2]: k for k, bin_k in enumerate(bins) for j in bin_k}
+    sharing._rotate(sorted((j for j in jobs if j[2][3] == ""), key=lambda j: j[2]), replica_of)
+    return replica_of
+
+
+def test_splitting_shards_keeps_the_assignment_of_a_fresh_sort():
+    """The replicas of every shard and parameter are those of costing and sorting all jobs again after each split
+    (the split shard's parameters take its place in the sorted jobs), on layouts where shards of several matrices
+    are split once or twice."""
+    from lightning_layerwise.layout import sharing
+
+    assign, splits = sharing._assign_position, []
+
+    def both(position, job, replicas, floor, split):
+        afresh: set = set()
+        expected = _assign_position_afresh(position, job, replicas, floor, afresh)
+        assert assign(position, job, replicas, floor, split) == expected and afresh <= split
+        splits.append(len(afresh))
+        return expected
+
+    specs = [ParamSpec(f"h{i}.{name}", shape) for i in range(12)
+             for name, shape in (("a", (64, 64)), ("b", (32, 96)), ("c", (128, 16)), ("v", (100,)))]
+    with mock.patch.object(sharing, "_assign_position", both):
+        for g, bucket_size, replicas in ((1, 20_000, 3), (1, 60_000, 5), (2, 20_000, 3), (1, 5_000, 5)):
+            check_shared(specs, plan_layout(specs, g, bucket_size, replicas=replicas))
+    assert max(splits) >= 2, splits
+
+
 def _consecutive_roots(layout) -> tuple[int, int]:
     """Per position, consecutive whole shards (bucket order) stepped by the same replica, and all such pairs."""
     same = pairs = 0
