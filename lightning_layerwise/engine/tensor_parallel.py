@@ -40,7 +40,8 @@ Note [identical layouts]
     the same shapes under the same names, and plan the same layout: data-parallel position ``d`` owns the same
     matrices in every tensor-parallel position. That is what lets the group orthogonalize each of them whole
     (Note [tensor-parallel exchange] in ``engine/tp_exchange.py``). An uneven shard (a dimension the group size
-    does not divide) would break it, and is refused.
+    does not divide) would break it, and is refused. The layout balances each shard at its whole matrix's
+    Newton-Schulz cost (``layout_specs``), the work its owner's group does for it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from .read_guard import READ_GUARDS
 from ..experts import marked_containers
 from ..layout import DEFAULT_BUCKET_SIZE, Layout, ParamSpec, is_bucket_size, param_specs, plan_layout
 from ..optim.matrices import matrix_shapes, matrix_views
+from .tensor_parallel import spec_of
 
 
 def check_arguments(bucket_size, prefetch_depth, param_read_guard) -> None:
@@ -51,6 +52,11 @@ def layout_specs(module: nn.Module, elementwise: Callable[[str, nn.Parameter], b
     views = matrix_views(module)
 
     def matrices(name: str, p: nn.Parameter) -> tuple[tuple[int, int], ...] | None:
+        tp = spec_of(p)
+        if tp is not None and tp.shard_dim is not None and p.ndim == 2:
+            # A tensor-parallel shard: Newton-Schulz runs on the whole matrix (Note [tensor-parallel exchange] in
+            # engine/tp_exchange.py), so the layout balances the whole matrix's cost, not the shard's.
+            return (tuple(tp.shape),)
         shapes = matrix_shapes(p.shape, views[id(p)]) if id(p) in views else []
         return tuple(shapes) if len(shapes) > 1 else None  # one matrix: the cost's own (shape[0], rest) rule
 

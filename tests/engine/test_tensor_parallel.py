@@ -20,6 +20,7 @@ import torch
 import lightning_layerwise as llw
 from lightning_layerwise.engine import tp_exchange
 from lightning_layerwise.engine.tensor_parallel import localize
+from lightning_layerwise.engine.wrapper_setup import layout_specs
 from tests._dist import LATE_MS, reference_threads, run_distributed
 from tests._tp_model import TinyLM, batches, full_state, parallelize
 
@@ -242,6 +243,11 @@ def _refusals(rank: int, world: int) -> list[str]:
         llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2)).wrap(model, WholeTensor(model.parameters()))
     except ValueError as error:
         messages.append(str(error))
+    costed = parallelize(TinyLM(), mesh["tensor_parallel"])  # the layout costs a shard as its whole matrix
+    localize(costed, mesh["tensor_parallel"])
+    specs = {s.name: s for s in layout_specs(costed)}
+    messages.append((tuple(specs["blocks.0.attn.q.weight"].shape), specs["blocks.0.attn.q.weight"].matrices,
+                     tuple(specs["blocks.0.mlp.down.weight"].shape), specs["blocks.0.mlp.down.weight"].matrices))
     with torch.device("meta"):
         on_meta = TinyLM()
     try:
@@ -251,10 +257,11 @@ def _refusals(rank: int, world: int) -> list[str]:
     return messages
 
 
-def test_what_tensor_parallelism_refuses_is_named_before_any_work():
+def test_set_up_refuses_by_name_and_costs_each_shard_as_its_whole_matrix():
     messages = run_distributed(_refusals, 2)[0]
-    assert len(messages) == 4, messages
-    assert "meta device" in messages[3] and "empty_init=False" in messages[3]
+    assert len(messages) == 5, messages
+    assert messages[3] == ((16, 32), ((32, 32),), (32, 64), ((32, 128),)), messages[3]
+    assert "meta device" in messages[4] and "empty_init=False" in messages[4]
     assert "shard_parameters=True" in messages[0] and "fully_shard" in messages[0]
     assert "does not divide 3" in messages[1]
     assert "WholeTensor" in messages[2] and "elementwise_optimizers" in messages[2]
