@@ -5,6 +5,7 @@ Run (under a minute, most of it planning DeepSeek-V3's layouts; no GPU needed, n
     .venv/bin/python benchmarks/project.py
     .venv/bin/python benchmarks/project.py --models llama3-8b --dp 64 1024 --no-write
     .venv/bin/python benchmarks/project.py --tokens-per-gpu 8192 --mfu 0.35 --nic-gbps 25
+    .venv/bin/python benchmarks/project.py --models llama3-8b --dp 64 --tp 8 --tp-dp 64 --no-write
 
 Nothing here is measured. Each number is a count (flops, bytes, operations) put
 through a rate or a latency that is a named constant below, with its source, and
@@ -40,6 +41,11 @@ Communication per optimizer step and rank (the first table), for
   reduce-scatter of fp32 gradients and an all-gather of bf16 parameters over the
   whole world, and two all-to-alls of the block's Muon matrices (fp32, to the rank
   that orthogonalizes each matrix and back) in the optimizer step.
+
+Tensor parallelism (the third table, ``benchmarks/project_tp.py``, Note [projected tensor parallelism]):
+one row, ``--tp-model`` (Llama-3 70B) at ``--tp`` (8, one node) x ``--tp-dp`` (64): the data-parallel
+collectives of the local buckets, the tensor-parallel exchange of Muon's matrices and the optimizer step of
+the busiest rank; ``--tp 0`` leaves it out.
 
 Expert parameters are planned and communicated like dense ones over the whole
 data-parallel group (no expert parallelism; Note [experts] in
@@ -650,8 +656,10 @@ def _cross_timeline(streams: Sequence[CrossStream], replicas: int, view: str, ho
 
 
 def layerwise_comm(model: ModelShapes, layout: Layout, g: int, dp: int, work: Workload, fabric: Fabric,
-                   grad_bytes: int, param_bytes: int) -> dict:
-    """In-group and cross-group communication of ``layout`` before and after the change (module docstring)."""
+                   grad_bytes: int, param_bytes: int, group: Comm | None = None) -> dict:
+    """In-group and cross-group communication of ``layout`` before and after the change (module docstring);
+    ``group``: the owner group's communicator where its ranks do not fill nodes in order (one per node under
+    tensor parallelism, ``benchmarks/project_tp.py``)."""
     replicas = dp // g
     if replicas > 1 and layout.replicas != replicas:
         layout = share_among_replicas(layout, model.routed_specs(), replicas)
@@ -659,7 +667,7 @@ def layerwise_comm(model: ModelShapes, layout: Layout, g: int, dp: int, work: Wo
     forward = sorted((b for buf in layout.buffers for b in buf.buckets if b.params),
                      key=lambda b: min(order[n] for n in b.params))  # Note [bucket order] in engine/data_parallel.py
     backward = forward[::-1]
-    group = comm_of(g, fabric.gpus_per_node)
+    group = group or comm_of(g, fabric.gpus_per_node)
     replica_comm = Comm(replicas, replicas if g >= fabric.gpus_per_node else
                         max(1, -(-replicas // (fabric.gpus_per_node // g))))
     rs = [best_cost("reduce_scatter", b.numel * grad_bytes, group, fabric).seconds for b in backward]
@@ -948,6 +956,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--param-bytes", type=int, default=2, help="bytes per parameter element gathered (bf16: 2)")
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE)
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel size of the TP row (0: no TP row)")
+    p.add_argument("--tp-dp", type=int, default=64, help="data-parallel size of the TP row (TP groups)")
+    p.add_argument("--tp-model", default="llama3-70b", choices=MODELS, help="model of the TP row (a Llama)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/projection.json")
     p.add_argument("--markdown", type=Path, default=ROOT / "docs/benchmarks/projection.md")
     p.add_argument("--png", type=Path, default=ROOT / "docs/benchmarks/projection.png")
@@ -956,6 +967,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("peak_tflops", "efficiency", "mfu", "hbm_tbps", "hbm_efficiency", "nvlink_gbps", "nic_gbps"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be positive")
+    if args.tp and (args.tp < 2 or args.gpus_per_node % args.tp or args.tp_dp < 2
+                    or args.tp * args.tp_dp % args.gpus_per_node):
+        p.error(f"--tp {args.tp} --tp-dp {args.tp_dp}: pass a TP size > 1 dividing --gpus-per-node "
+                f"({args.gpus_per_node}) and a data-parallel size > 1 filling whole nodes, or --tp 0")
     for flag in ("tokens_per_gpu", "nics_per_node", "gpus_per_node", "channels"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')}={getattr(args, flag)} must be >= 1")
@@ -981,6 +996,15 @@ def main(argv: list[str] | None = None) -> None:
     print(comm)
     print()
     print(step)
+    tp_row, tp_text = None, None
+    if args.tp:
+        from benchmarks.project_tp import TP_TABLE_END, TP_TABLE_START, project_tp, tp_table
+
+        tp_row = project_tp(model_shapes(args.tp_model), args.tp, args.tp_dp, hw, fabric, args.bucket_size,
+                            args.tokens_per_gpu, args.mfu)
+        tp_text = tp_table(tp_row)
+        print()
+        print(tp_text)
     if args.no_write:
         return
     harness.write_json(args.json, {
@@ -988,9 +1012,11 @@ def main(argv: list[str] | None = None) -> None:
         "tokens_per_gpu": args.tokens_per_gpu, "mfu": args.mfu,
         "bytes_per_element": {"adamw_update": ADAMW_BYTES_PER_ELEMENT, "muon_update": MUON_BYTES_PER_ELEMENT,
                               "adamw_state": ADAMW_STATE_BYTES, "muon_state": MUON_STATE_BYTES},
-        "rows": rows})
+        "rows": rows, **({"tensor_parallel": tp_row} if tp_row else {})})
     harness.write_between_markers(args.markdown, comm, title=TITLE)
     harness.write_between_markers(args.markdown, step, STEP_TABLE_START, STEP_TABLE_END, title=TITLE)
+    if tp_text:
+        harness.write_between_markers(args.markdown, tp_text, TP_TABLE_START, TP_TABLE_END, title=TITLE)
     plot(rows, args.png)
     print(f"wrote {args.json}, {args.markdown}, {args.png}", file=sys.stderr)
 
