@@ -73,7 +73,9 @@ def local_spec(spec: ParamSpec, T: int) -> ParamSpec:
                          "the strategy refuses uneven shards.")
     shape = list(spec.shape)
     shape[dim] //= T
-    return replace(spec, shape=tuple(shape))
+    # The strategy costs a shard at its whole matrix's Newton-Schulz (engine/wrapper_setup.py layout_specs).
+    matrices = (tuple(spec.shape),) if len(spec.shape) == 2 else spec.matrices
+    return replace(spec, shape=tuple(shape), matrices=matrices)
 
 
 def local_model(model: ModelShapes, T: int) -> ModelShapes:
@@ -220,7 +222,7 @@ def tp_table(row: dict) -> str:
         ("configuration", f"{row['model']}, TP {T} (one node) × DP {D} = {row['gpus']} GPUs on {row['nodes']} nodes",
          "local shapes: the sharded dimension ÷ T"),
         ("local parameters per rank", f"{row['local_numel'] / 1e9:.2f}B, padding {100 * row['padding']:.1f}%",
-         f"`plan_layout` over the local shapes, one owner group of {D}"),
+         f"`plan_layout` over the local shapes, each shard costed at its whole matrix's Newton–Schulz, one owner group of {D}"),
         ("backward (forward) ms", f"{ms(row['backward_s'])} ({ms(row['forward_s'])})",
          "as the DP rows: 6 N × tokens per GPU at the MFU (each GPU 1/T of T × the tokens)"),
         ("DP reduce-scatter + all-gather ms (NIC)", ms(dp["comm_s"]),
