@@ -36,6 +36,23 @@ Configurations (peers in the same run: same seed, data order and initial weights
     fsdp2_torch_muon_reshard    the same with torch.optim.Muon + AdamW (:class:`MuonAndAdamW`) on the
                                 DTensor shards
 
+    Tensor parallelism (``Config.tp = 2``; run where the rank count is a multiple of 4: data-parallel
+    2+ x tensor-parallel 2; the module gets ``tensor_parallel=True``, so its ``configure_model``
+    applies the example GPT's plan over ``device_mesh["tensor_parallel"]``; a tensor-parallel group
+    reads one batch, so the global batch is devices / 2 per-rank batches.
+    ``benchmarks/bench_tensor_parallel.py`` runs these with their report):
+
+    layerwise_tp_muon           LayerwiseStrategy(tensor_parallel_size=2, overlap_param_gather=True),
+                                llw.Muon (each TP matrix orthogonalized whole, once: two
+                                all_to_all_single per step)
+    layerwise_tp_adamw          the same with AdamW
+    fsdp2_tp_adamw              ModelParallelStrategy(data_parallel_size=devices/2,
+                                tensor_parallel_size=2): the same plan, then fully_shard per block and
+                                on the root over device_mesh["data_parallel"], AdamW; clipping per mesh
+                                (Note [clipping FSDP2 with TP] in :func:`clip_over_meshes`)
+    fsdp2_tp_torch_muon         the same with torch.optim.Muon + AdamW (:class:`MuonAndAdamW`) on its
+                                2-D DTensors
+
 AdamW: ``lr=1e-3, betas=(0.9, 0.95), weight_decay=0``. Muon (both implementations):
 ``lr=0.02``, momentum 0.95, Nesterov, 5 Newton-Schulz steps in ``--ns-dtype`` (bf16;
 torch.optim.Muon always uses bf16), ``adjust_lr`` "original", no weight decay; AdamW at
@@ -45,7 +62,8 @@ Sizes (``--sizes``): ``tiny`` is the model and batch of ``examples/configs/cpu.y
 ``wide`` is a CPU size where Newton-Schulz is about half of the replicated Muon step
 (wide matrices, short sequences, small batch); ``30m`` (31 M parameters) compares sharded
 parameters with their peers at 2 and 4 ranks, and ``120m`` (126 M) is its largest size, for a
-per-rank memory cap; ``gpt2-small`` and ``gpt2-medium`` are GPU sizes.
+per-rank memory cap; ``tp10m`` (10.7 M) is the tensor-parallel comparison at 4 ranks;
+``gpt2-small`` and ``gpt2-medium`` are GPU sizes.
 
 Each run is a fresh ``python benchmarks/bench_strategies.py --_worker NAME ...`` process;
 Lightning's launcher re-runs that command line for ranks 1..N-1, so every rank enters
@@ -64,8 +82,9 @@ then the median over steps):
   ``torch.optim._muon._zeropower_via_newtonschulz``), summed per step;
 * communication: every ``torch.distributed`` collective called from Python is counted
   (see :class:`CommCounter`): the layer-wise reduce-scatters, all-gathers and norm
-  all-reduce, ZeRO's broadcasts, FSDP2's all-gathers and reduce-scatters; for DDP's
-  reducer see Note [DDP's bytes]. Bytes are the tensors handed to each collective
+  all-reduce, ZeRO's broadcasts, FSDP2's all-gathers and reduce-scatters, the tensor-parallel
+  exchange's all_to_all_single; DTensor's functional collectives (the row-wise layers'
+  all-reduce, redistributions) under ``dtensor_<name>``; for DDP's reducer see Note [DDP's bytes]. Bytes are the tensors handed to each collective
   (all-reduce, broadcast: the tensor; all-gather: the output; reduce-scatter: the
   input); "ring" bytes are what one rank sends in a ring algorithm (all-reduce
   ``2(n-1)/n`` of the bytes, the others ``(n-1)/n``);
@@ -179,6 +198,10 @@ SIZES: dict[str, Size] = {
     # 126 M parameters: the largest of the sharded comparison, run at 4 ranks under a per-rank memory cap.
     "120m": Size(n_layer=40, n_head=8, n_embd=512, batch_size=2, block_size=64, steps=3, warmup=1,
                  bucket_size=4_000_000),
+    # 10.7 M parameters, batch 4 x 64 per data-parallel rank: the tensor-parallel comparison at 4 ranks
+    # (docs/benchmarks/tensor_parallel_cpu.md); n_head divisible by the tensor-parallel size 2.
+    "tp10m": Size(n_layer=6, n_head=8, n_embd=384, batch_size=4, block_size=64, steps=4, warmup=1,
+                  bucket_size=4_000_000),
     "gpt2-small": Size(n_layer=12, n_head=12, n_embd=768, batch_size=16, block_size=1024, steps=50, warmup=10,
                        bucket_size=40_000_000),
     "gpt2-medium": Size(n_layer=24, n_head=16, n_embd=1024, batch_size=8, block_size=1024, steps=50, warmup=10,
@@ -205,6 +228,7 @@ class Config:
     min_devices: int = 1  # the no-overlap rows differ from the others only with an all-gather
     one_rank: bool = True  # also run at 1 rank (single-process cost of the strategy and optimizer)
     shard: bool = False  # layerwise shard_parameters; fsdp2: reshard_after_forward (parameters freed after forward)
+    tp: int = 1  # tensor-parallel size: runs where devices is a multiple of 2 * tp (data-parallel 2+ x tp)
 
 
 CONFIGS: dict[str, Config] = {
@@ -221,6 +245,10 @@ CONFIGS: dict[str, Config] = {
     "layerwise_muon_no_overlap": Config("layerwise", "muon", overlap=False, min_devices=2),
     "layerwise_sharded_adamw": Config("layerwise", "adamw", overlap=True, one_rank=False, shard=True),
     "layerwise_sharded_muon": Config("layerwise", "muon", overlap=True, one_rank=False, shard=True),
+    "layerwise_tp_muon": Config("layerwise", "muon", overlap=True, one_rank=False, tp=2),
+    "layerwise_tp_adamw": Config("layerwise", "adamw", overlap=True, one_rank=False, tp=2),
+    "fsdp2_tp_adamw": Config("fsdp2", "adamw", one_rank=False, tp=2),
+    "fsdp2_tp_torch_muon": Config("fsdp2", "torch_muon", one_rank=False, tp=2),
 }
 BASELINE = "ddp_adamw"
 # Each row's replicated peer: same optimizer maths, every rank steps everything.
@@ -230,6 +258,10 @@ REPLICATED_PEER = {
     "fsdp2_adamw_reshard": "ddp_adamw", "fsdp2_torch_muon_reshard": "ddp_torch_muon",
     "layerwise_sharded_adamw": "ddp_adamw", "layerwise_sharded_muon": "ddp_muon",
 }
+# Tensor-parallel rows: the same row without tensor parallelism (same ranks, twice the data-parallel ranks), and
+# the peer with Lightning's ModelParallelStrategy (the same TP plan, FSDP2 over data_parallel).
+NO_TP_PEER = {"layerwise_tp_muon": "layerwise_muon", "layerwise_tp_adamw": "layerwise_adamw"}
+FSDP2_TP_PEER = {"layerwise_tp_muon": "fsdp2_tp_torch_muon", "layerwise_tp_adamw": "fsdp2_tp_adamw"}
 LAST_K = 10  # steps averaged for the "late loss" column
 # (name, from event, to event, clock). Events: start = on_train_batch_start, grads =
 # on_before_optimizer_step, clipped = end of configure_gradient_clipping, stepped = optimizer
@@ -301,6 +333,62 @@ _COLLECTIVES = (
     ("all_to_all_single", "output", lambda n: (n - 1) / n),
 )
 
+# Functional collectives (``torch.distributed._functional_collectives``), DTensor's own communication: the
+# row-wise layers' all-reduce, redistributions' all-gathers and reduce-scatters (torch 2.13's
+# ``tensor/placement_types.py`` and ``_collective_utils.py`` call ``funcol.all_reduce``, ``all_gather_single``
+# and ``reduce_scatter_single`` at call time; the rest are wrapped so that a caller of them is seen too).
+# (name, bytes counted from the first argument's and the group's size, ring factor). Counted under
+# ``dtensor_<name>``, with the c10d collectives' conventions: all-gather the output, reduce-scatter the input.
+_FUNCOL_COLLECTIVES = (
+    ("all_reduce", lambda b, n: b, lambda n: 2 * (n - 1) / n),
+    ("all_reduce_coalesced", lambda b, n: b, lambda n: 2 * (n - 1) / n),
+    ("broadcast", lambda b, n: b, lambda n: (n - 1) / n),
+    ("all_gather_single", lambda b, n: b * n, lambda n: (n - 1) / n),
+    ("all_gather_tensor", lambda b, n: b * n, lambda n: (n - 1) / n),
+    ("all_gather_tensor_autograd", lambda b, n: b * n, lambda n: (n - 1) / n),
+    ("all_gather_into_tensor_coalesced", lambda b, n: b * n, lambda n: (n - 1) / n),
+    ("reduce_scatter_single", lambda b, n: b, lambda n: (n - 1) / n),
+    ("reduce_scatter_tensor", lambda b, n: b, lambda n: (n - 1) / n),
+    ("reduce_scatter_tensor_autograd", lambda b, n: b, lambda n: (n - 1) / n),
+    ("reduce_scatter_tensor_coalesced", lambda b, n: b, lambda n: (n - 1) / n),
+    ("all_to_all_single", lambda b, n: b, lambda n: (n - 1) / n),
+    ("all_to_all_single_autograd", lambda b, n: b, lambda n: (n - 1) / n),
+)
+# The names one kind is reported under (an all_gather_tensor is an all_gather_single in funcol itself).
+_FUNCOL_KIND = {"all_gather_tensor": "all_gather_single", "all_gather_tensor_autograd": "all_gather_single",
+                "reduce_scatter_tensor": "reduce_scatter_single",
+                "reduce_scatter_tensor_autograd": "reduce_scatter_single",
+                "all_to_all_single_autograd": "all_to_all_single"}
+
+
+def funcol_group_size(group) -> int:
+    """Ranks in a functional collective's ``group``: ``(mesh, dim)``, a 1-D ``DeviceMesh``, a ``ProcessGroup``,
+    a list of ranks (or of rank lists, one per group), or a registered group name; 1 when unknown."""
+    try:
+        if isinstance(group, tuple) and len(group) == 2:
+            mesh, dim = group
+            return int(mesh.size(dim)) if isinstance(dim, int) else int(mesh[dim].size())
+        if isinstance(group, list):
+            return len(group[0]) if group and isinstance(group[0], list) else len(group)
+        if isinstance(group, str):
+            import torch.distributed.distributed_c10d as c10d
+
+            return int(c10d._get_group_size_by_name(group))
+        size = getattr(group, "size", None)
+        return int(size()) if callable(size) else 1
+    except Exception:  # a form this version of torch has and this function does not know
+        return 1
+
+
+def funcol_bytes(name: str, first, group) -> tuple[str, int, float]:
+    """``(key, bytes, ring bytes)`` of one functional collective ``name`` called on ``first`` (a tensor or list)
+    over ``group``, as :class:`CommCounter` counts it."""
+    size, factor = next((b, f) for n, b, f in _FUNCOL_COLLECTIVES if n == name)
+    tensors = [first] if torch.is_tensor(first) else list(first or ())
+    n = funcol_group_size(group)
+    counted = size(sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t)), n)
+    return "dtensor_" + _FUNCOL_KIND.get(name, name), counted, counted * factor(n)
+
 
 class CommCounter:
     """Bytes handed to ``torch.distributed`` collectives and time blocked in them, per process.
@@ -309,14 +397,18 @@ class CommCounter:
     deprecated aliases such as ``all_gather_into_tensor`` call the latter's globals) and
     ``Work.wait``. A collective called from inside another counted one is not counted
     again. Code that bound a collective before :meth:`install` (``from ... import``) is
-    not seen, so install first. Functional collectives (DTensor) and C++ callers are
-    not seen either; see the module docstring for DDP.
+    not seen, so install first. The functional collectives DTensor calls (as
+    ``funcol.<name>`` at call time) are counted under ``dtensor_<name>`` (see
+    :data:`_FUNCOL_COLLECTIVES`), and the time spent in ``funcol.wait_tensor`` (their
+    asynchronous results awaited) in :attr:`dtensor_wait_s`; C++ callers are not seen
+    (see the module docstring for DDP).
     """
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
         self.ring_bytes = 0.0
         self.blocked_s = 0.0
+        self.dtensor_wait_s = 0.0
         self._local = threading.local()
 
     def install(self) -> "CommCounter":
@@ -344,7 +436,50 @@ class CommCounter:
                 counter.blocked_s += time.perf_counter() - t0
 
         dist.Work.wait = wait
+        self._install_funcol()
         return self
+
+    def _install_funcol(self) -> None:
+        import torch.distributed._functional_collectives as funcol
+
+        counter = self
+        for name, *_ in _FUNCOL_COLLECTIVES:
+            original = getattr(funcol, name, None)
+            if original is not None:
+                setattr(funcol, name, self._wrap_funcol(name, original))
+        original_wait = funcol.wait_tensor
+
+        @functools.wraps(original_wait)
+        def wait_tensor(tensor):
+            t0 = time.perf_counter()
+            try:
+                return original_wait(tensor)
+            finally:
+                counter.dtensor_wait_s += time.perf_counter() - t0
+
+        funcol.wait_tensor = wait_tensor
+
+    def _wrap_funcol(self, name, original):
+        counter = self
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def collective(*args, **kwargs):
+            local = counter._local
+            if getattr(local, "depth", 0):
+                return original(*args, **kwargs)
+            local.depth = 1
+            try:
+                out = original(*args, **kwargs)
+            finally:
+                local.depth = 0
+            bound = signature.bind_partial(*args, **kwargs).arguments
+            key, n, ring = funcol_bytes(name, next(iter(bound.values()), None), bound.get("group"))
+            counter.bytes[key] = counter.bytes.get(key, 0) + n
+            counter.ring_bytes += ring
+            return out
+
+        return collective
 
     def _wrap(self, name, original, arg, factor):
         counter = self
@@ -422,6 +557,7 @@ class Worker:
         """Wraps both Newton-Schulz implementations so that their wall time adds up in :attr:`ns_seconds`."""
         import torch.optim._muon as torch_muon
 
+        import lightning_layerwise.engine.tp_exchange as llw_tp_exchange
         import lightning_layerwise.optim.muon as llw_muon
 
         def timed(fn):
@@ -436,6 +572,9 @@ class Worker:
             return wrapper
 
         llw_muon.orthogonalize = timed(llw_muon.orthogonalize)  # looked up by muon_step at call time
+        # Under tensor parallelism the whole matrices go through the exchange's own import (Note [tensor-parallel
+        # exchange]), looked up when each step runs: NS time only, not the two all_to_all_single around it.
+        llw_tp_exchange.orthogonalize = timed(llw_tp_exchange.orthogonalize)
         torch_muon._zeropower_via_newtonschulz = timed(torch_muon._zeropower_via_newtonschulz)
 
     def on_grad(self, param) -> None:
@@ -532,6 +671,7 @@ class ProbeHooks:
         self.counters.append({
             "ns_ms": 1e3 * self.worker.ns_seconds,
             "comm_blocked_ms": 1e3 * comm.blocked_s,
+            "dtensor_wait_ms": 1e3 * comm.dtensor_wait_s,
             "ddp_exposed_ms": 1e3 * self.ddp_exposed_s,
             "wrapper_wait_ms": 1e3 * sum(waits.values()),
             "comm_bytes": float(sum(comm.bytes.values())),
@@ -547,7 +687,7 @@ def bench_module_class(worker: Worker, probe: ProbeHooks) -> type:
 
     class BenchGPT(GPTLightningModule):
         def configure_model(self) -> None:
-            super().configure_model()
+            super().configure_model()  # with tensor_parallel=True: the TP plan over device_mesh["tensor_parallel"]
             if worker.config.strategy == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
@@ -569,10 +709,49 @@ def bench_module_class(worker: Worker, probe: ProbeHooks) -> type:
         # Lightning calls this hook every step, with or without clipping: its end
         # separates clipping from the optimizer's own step.
         def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
-            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            if worker.config.strategy == "fsdp2" and worker.config.tp > 1 and gradient_clip_val:
+                clip_over_meshes(self.parameters(), gradient_clip_val)  # Note [clipping FSDP2 with TP]
+            else:
+                super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
             probe.mark("clipped")
 
     return BenchGPT
+
+
+def clip_over_meshes(parameters, max_norm: float) -> float:
+    """Clips gradients by their total 2-norm when they are DTensors on different meshes; returns the norm.
+
+    Note [clipping FSDP2 with TP]
+        With the TP plan applied and then ``fully_shard`` over ``data_parallel``, the planned
+        matrices are DTensors on the 2-D mesh and the rest (embeddings, norms, the tied head) on
+        the 1-D ``data_parallel`` mesh; ``torch.nn.utils.clip_grad_norm_`` stacks their norms
+        and DTensor refuses operands on different meshes ("All operands in aten.stack.default
+        must have the same mesh"). So the ``fsdp2_tp_*`` rows take the norm per mesh
+        (``get_total_norm``, then ``full_tensor()``), add the squares, and scale every gradient
+        by ``min(1, max_norm / (norm + 1e-6))``, which is what ``clip_grad_norm_`` computes.
+    """
+    from torch.nn.utils import get_total_norm
+
+    groups: dict[Any, list] = {}
+    for p in parameters:
+        if p.grad is not None:
+            groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    squares = []
+    for grads in groups.values():
+        norm = get_total_norm(grads, 2.0)
+        squares.append(float(_full(norm)) ** 2)
+    total = sum(squares) ** 0.5
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for grads in groups.values():
+            for g in grads:
+                g.mul_(coef)
+    return total
+
+
+def _full(t):
+    """A DTensor's whole value, else ``t``."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def make_strategy(worker: Worker, devices: int):
@@ -581,12 +760,15 @@ def make_strategy(worker: Worker, devices: int):
     if worker.config.strategy == "layerwise":
         # Sharded parameters at their default settings (bucket_size="auto"): what a user who sets nothing gets.
         options = {} if worker.config.shard else {"bucket_size": worker.size.bucket_size}
+        if worker.config.tp > 1:
+            options["tensor_parallel_size"] = worker.config.tp
         return llw.LayerwiseStrategy(overlap_param_gather=worker.config.overlap, shard_parameters=worker.config.shard,
                                      **options)
     if worker.config.strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+        tp = worker.config.tp
+        return ModelParallelStrategy(data_parallel_size=devices // tp, tensor_parallel_size=tp)
     from lightning.pytorch.strategies import DDPStrategy
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -648,14 +830,24 @@ def run_worker(args: argparse.Namespace) -> None:
                         seed=args.seed)
     probe = type("Probe", (ProbeHooks, L.Callback), {})(worker)
     model = bench_module_class(worker, probe)(vocab_size=dm.vocab_size, n_layer=size.n_layer, n_head=size.n_head,
-                                              n_embd=size.n_embd, block_size=size.block_size)
+                                              n_embd=size.n_embd, block_size=size.block_size,
+                                              tensor_parallel=worker.config.tp > 1)
     trainer = L.Trainer(
         accelerator="gpu" if worker.cuda else "cpu", devices=devices, strategy=make_strategy(worker, devices),
         precision=args.precision, max_steps=warmup + steps, gradient_clip_val=args.gradient_clip_val or None,
         limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[probe],
     )
-    trainer.fit(model, datamodule=dm)
+    try:
+        trainer.fit(model, datamodule=dm)
+    except Exception as error:  # the row's result is the error (e.g. an optimizer refusing DTensors)
+        if trainer.global_rank == 0 and args._result:
+            import traceback
+
+            Path(args._result).write_text(json.dumps({"config": args._worker, "size": args._size,
+                                                      "error": f"{type(error).__name__}: {error}",
+                                                      "traceback": traceback.format_exc()[-4000:]}))
+        raise
     local = rank_result(worker, probe, trainer.global_rank, warmup, steps, devices)
     ranks = [local]
     if dist.is_available() and dist.is_initialized():
@@ -821,11 +1013,15 @@ def aggregate(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         for key in ("ns_ms", "comm_bytes", "ring_bytes", "comm_blocked_ms", "ddp_exposed_ms", "wrapper_wait_ms"):
             row[key + "_median"] = harness.median_of(r.get(key, 0.0) for r in rs)
         row["exposed_comm_ms_median"] = harness.median_of(exposed_comm_ms(r, strategy) for r in rs)
+        row["dtensor_wait_ms_median"] = harness.median_of(r.get("dtensor_wait_ms", 0.0) for r in rs)
         row["comm_bytes_by_kind"] = {k[len("bytes_"):]: v for k, v in rs[0].items()
                                      if k.startswith("bytes_") and not k.endswith("_per_rank")}
         row["wrapper_wait_ms_by_kind"] = {k[len("wait_ms_"):]: harness.median_of(r.get(k, 0.0) for r in rs)
                                           for k in rs[0] if k.startswith("wait_ms_") and not k.endswith("_per_rank")}
-        row["tokens_per_s_median"] = tokens_per_step / (row["step_ms_median"] / 1e3)
+        # A tensor-parallel group reads one batch: the global batch is devices / tp per-rank batches.
+        tp = CONFIGS[name].tp if name in CONFIGS else 1
+        row["tokens_per_step"] = tokens_per_step // tp
+        row["tokens_per_s_median"] = row["tokens_per_step"] / (row["step_ms_median"] / 1e3)
         row["ns_share"] = row["ns_ms_median"] / row["step_ms_median"]
         first = rs[0]
         state = first["state_bytes_per_rank"]
@@ -847,12 +1043,15 @@ def aggregate(runs: dict[str, list[dict]], tokens_per_step: int) -> dict[str, di
         )
         table[name] = row
     for name, row in table.items():
-        for suffix, ref_name in (("baseline", BASELINE), ("replicated", REPLICATED_PEER.get(name))):
+        for suffix, ref_name in (("baseline", BASELINE), ("replicated", REPLICATED_PEER.get(name)),
+                                 ("no_tp", NO_TP_PEER.get(name)), ("fsdp2_tp", FSDP2_TP_PEER.get(name)),
+                                 ("fsdp2_tp_adamw", "fsdp2_tp_adamw" if name in FSDP2_TP_PEER else None)):
             ref = table.get(ref_name) if ref_name else None
             if ref is None:
                 continue
             for key in ("step", "step_cpu", "fwd_bwd", "opt"):
                 row[f"{key}_ratio_{suffix}"] = row[key + "_ms_median"] / ref[key + "_ms_median"]
+            row[f"tokens_per_s_ratio_{suffix}"] = row["tokens_per_s_median"] / ref["tokens_per_s_median"]
             if ref["state_bytes_max_per_rank"]:
                 row[f"state_ratio_{suffix}"] = row["state_bytes_max_per_rank"] / ref["state_bytes_max_per_rank"]
             row[f"max_abs_loss_diff_{suffix}"] = max(
@@ -977,6 +1176,7 @@ def markdown_report(data: dict) -> str:
                   "per step, by collective; ring: what one rank sends with ring algorithms.", "",
                   harness.markdown_table(_memory_header(meta["accelerator"]),
                                          [_memory_cells(name, r) for name, r in t.items()]), ""]
+        lines += [f"`{name}` raised: `{error}`" for name, error in cell.get("errors", {}).items()]
     plots = data.get("plots") or []
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
@@ -1273,23 +1473,40 @@ def plan_cells(args: argparse.Namespace) -> list[dict]:
 
     def runs_at(name: str, devices: int) -> bool:
         config = CONFIGS[name]
+        if config.tp > 1 and devices % (2 * config.tp):  # data-parallel 2+ x tensor-parallel tp
+            return False
         return devices >= config.min_devices and (devices > 1 or config.one_rank)
 
     return [{"size": s, "devices": d, "configs": [n for n in names if runs_at(n, d)]}
             for s in sizes for d in device_counts]
 
 
-def run_matrix(args: argparse.Namespace, cells: list[dict]) -> dict[tuple[str, int], dict[str, list[dict]]]:
-    """Every run of every cell, ``--repeats`` times, interleaved round-robin (the order rotates every repeat)."""
+def run_matrix(args: argparse.Namespace, cells: list[dict],
+               errors: dict[tuple[str, int], dict[str, str]] | None = None) -> dict[tuple[str, int], dict[str, list[dict]]]:
+    """Every run of every cell, ``--repeats`` times, interleaved round-robin (the order rotates every repeat).
+
+    A configuration whose training raised (rank 0 writes the error as its result) is recorded in ``errors``
+    (cell -> name -> error text) and not run again; without ``errors`` the error is raised."""
     runs = {(c["size"], c["devices"]): {n: [] for n in c["configs"]} for c in cells}
     total = sum(len(c["configs"]) for c in cells) * args.repeats
     done = 0
     for rep in range(args.repeats):
         for cell in cells:
             for name in harness.rotated(cell["configs"], rep):
-                run = summarize_run(run_one(args, name, cell["size"], cell["devices"]))
-                runs[(cell["size"], cell["devices"])][name].append(run)
+                key = (cell["size"], cell["devices"])
+                if errors is not None and name in errors.get(key, {}):
+                    continue
+                result = run_one(args, name, cell["size"], cell["devices"])
                 done += 1
+                if "error" in result:
+                    print(f"[{done}/{total}] {cell['size']:5} x{cell['devices']} {name:27} raised: {result['error']}\n"
+                          f"{result.get('traceback', '')}", flush=True)
+                    if errors is None:
+                        raise RuntimeError(f"{name}: {result['error']}")
+                    errors.setdefault(key, {})[name] = result["error"]
+                    continue
+                run = summarize_run(result)
+                runs[key][name].append(run)
                 print(f"[{done}/{total}] {cell['size']:5} x{cell['devices']} {name:27} step {run['step_ms']:7.1f} ms "
                       f"fwd+bwd {run['fwd_bwd_ms']:7.1f} opt {run['opt_ms']:7.2f} NS {run.get('ns_ms', 0):6.1f} "
                       f"loss {run['final_loss']:.4f} [{run['process_wall_s']:.0f} s, load "
@@ -1297,8 +1514,8 @@ def run_matrix(args: argparse.Namespace, cells: list[dict]) -> dict[tuple[str, i
     return runs
 
 
-def result_cells(args: argparse.Namespace, cells: list[dict], runs: dict) -> list[dict]:
-    """Each cell's model, aggregated results and targets."""
+def result_cells(args: argparse.Namespace, cells: list[dict], runs: dict, errors: dict | None = None) -> list[dict]:
+    """Each cell's model, aggregated results and targets (and the error of each configuration that raised)."""
     from examples.data import CharDataModule
 
     vocab = CharDataModule(max_chars=args.max_chars).vocab_size
@@ -1312,6 +1529,7 @@ def result_cells(args: argparse.Namespace, cells: list[dict], runs: dict) -> lis
         out = {"size": cell["size"], "devices": cell["devices"], "model": model,
                "results": aggregate(runs[(cell["size"], cell["devices"])], tokens)}
         out["targets"] = check_targets(out)
+        out["errors"] = dict((errors or {}).get((cell["size"], cell["devices"]), {}))
         out_cells.append(out)
     return out_cells
 
@@ -1355,8 +1573,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     cells = plan_cells(args)
     clock = harness.Clock()
-    runs = run_matrix(args, cells)
-    out_cells = result_cells(args, cells, runs)
+    errors: dict = {}
+    runs = run_matrix(args, cells, errors)
+    out_cells = result_cells(args, cells, runs, errors)
     out_path = Path(args.out) if args.out else RESULTS / f"strategies_{args.accelerator}.json"
     data = {"meta": run_meta(args, argv, clock, out_path), "cells": out_cells}
     print_summary(data)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_strategies.py"
@@ -153,3 +154,38 @@ def test_the_cap_search_measures_both_sides_of_the_cap(monkeypatch):
         fits, over = best["largest_fitting"], best["smallest_over"]
         assert fits["train_peak_rss_mib"] <= 2048 < over["train_peak_rss_mib"]
         assert over["layers"] == fits["layers"] + 4
+
+
+def test_dtensor_functional_collectives_are_counted_with_the_c10d_conventions(bench):
+    """A fake functional-collective call: all-gather counts its output (input x group), reduce-scatter and
+    all-reduce their input, the group given as (mesh, dim) has mesh.size(dim) ranks."""
+
+    class FakeMesh:
+        def size(self, dim=None):
+            return {0: 2, 1: 4}[dim]
+
+    x = torch.zeros(8, 16)  # 512 bytes
+    assert bench.funcol_group_size((FakeMesh(), 1)) == 4
+    assert bench.funcol_group_size([0, 1, 2]) == 3 and bench.funcol_group_size([[0, 1], [2, 3]]) == 2
+    assert bench.funcol_group_size(object()) == 1
+    assert bench.funcol_bytes("all_gather_single", x, (FakeMesh(), 1)) == ("dtensor_all_gather_single", 2048, 1536)
+    assert bench.funcol_bytes("all_gather_tensor", x, (FakeMesh(), 0))[:2] == ("dtensor_all_gather_single", 1024)
+    assert bench.funcol_bytes("reduce_scatter_single", x, (FakeMesh(), 0)) == (
+        "dtensor_reduce_scatter_single", 512, 256)
+    assert bench.funcol_bytes("all_reduce", x, (FakeMesh(), 1)) == ("dtensor_all_reduce", 512, 768)
+    assert bench.funcol_bytes("all_reduce_coalesced", [x, x], (FakeMesh(), 0))[:2] == ("dtensor_all_reduce_coalesced",
+                                                                                         1024)
+
+
+def test_tensor_parallel_rows_run_only_at_a_multiple_of_twice_their_size(bench):
+    args = bench.build_parser().parse_args(["--sizes", "tp10m", "--devices", "2,4,6",
+                                            "--configs", "layerwise_tp_muon,fsdp2_tp_adamw,layerwise_muon"])
+    configs = {c["devices"]: c["configs"] for c in bench.plan_cells(args)}
+    assert configs == {2: ["layerwise_muon"], 4: ["layerwise_tp_muon", "fsdp2_tp_adamw", "layerwise_muon"],
+                       6: ["layerwise_muon"]}
+    grads = [torch.full((3,), 2.0), torch.full((4,), 2.0)]  # total norm sqrt(7 * 4)
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g
+    assert bench.clip_over_meshes(params, 1.0) == pytest.approx(28 ** 0.5)
+    assert sum(float(p.grad.square().sum()) for p in params) == pytest.approx(1.0, rel=1e-5)
