@@ -181,12 +181,12 @@ def check_dtensor_parameters(module: nn.Module, tp_mesh, owner: str) -> None:
 
 
 def tensor_parallel_group(params) -> Any:
-    """The tensor-parallel group of a run whose parameters are ``params`` (``None`` outside tensor parallelism)."""
-    for p in params:
-        spec = _SPECS.get(p)
-        if spec is not None:
-            return spec.group
-    return None
+    """The tensor-parallel group of a run whose parameters are ``params`` (``None`` outside tensor parallelism).
+    :func:`localize` gives every parameter of the module a spec, so the first one answers: a norm without tensor
+    parallelism, every step, looks at one parameter, not all of them."""
+    first = next(iter(params), None)
+    spec = None if first is None else _SPECS.get(first)
+    return None if spec is None else spec.group
 
 
 def is_sharded(param: torch.Tensor) -> bool:
