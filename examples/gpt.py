@@ -97,10 +97,11 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: `split_qkv` must be 'none', 'qkv' or 'heads', got {self.split_qkv!r}.")
         if self.qkv_order not in ("qkv", "head"):
             raise ValueError(f"GPTConfig: `qkv_order` must be 'qkv' or 'head', got {self.qkv_order!r}.")
-        if self.qkv_order == "head" and (self.split_qkv == "qkv" or self.qk_clip):
+        if self.qkv_order == "head" and self.split_qkv == "qkv":
             raise ValueError(
-                "GPTConfig: split_qkv='qkv' and qk_clip read the rows of c_attn as [q; k; v]; with"
-                " qkv_order='head' they are stacked head by head. Use qkv_order='qkv' with them."
+                "GPTConfig: split_qkv='qkv' cuts the rows of c_attn as [q; k; v]; with qkv_order='head' they are"
+                " stacked head by head. Use split_qkv='heads' (per-head blocks, right in either order) or"
+                " qkv_order='qkv'."
             )
 
 
@@ -118,8 +119,11 @@ class CausalSelfAttention(nn.Module):
         if config.split_qkv != "none":
             llw.mark_matrices(self.c_attn, "weight", split=3 if config.split_qkv == "qkv" else 3 * config.n_head)
         self.record_logits = config.qk_clip
-        if config.qk_clip:  # queries are rows [0, C) of c_attn, keys rows [C, 2C): n_head heads of C / n_head
-            llw.mark_attention(self, n_heads=config.n_head, head_dim=config.n_embd // config.n_head,
+        if config.qk_clip and config.qkv_order == "head":  # head h: q rows from 3 h d, k rows from 3 h d + d
+            llw.mark_attention(self, n_heads=config.n_head, head_dim=self.head_dim, q="c_attn.weight",
+                               k="c_attn.weight", k_offset=self.head_dim, head_stride=3 * self.head_dim)
+        elif config.qk_clip:  # queries are rows [0, C) of c_attn, keys rows [C, 2C): n_head heads of C / n_head
+            llw.mark_attention(self, n_heads=config.n_head, head_dim=self.head_dim,
                                q="c_attn.weight", k="c_attn.weight", k_offset=config.n_embd)
 
     def forward(self, x: Tensor) -> Tensor:

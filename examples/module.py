@@ -42,8 +42,9 @@ Note [tensor-parallel module]
     ``LayerwiseStrategy(tensor_parallel_size=T)`` (or Lightning's
     ``ModelParallelStrategy``) gives the module before ``configure_model``. Without
     such a mesh it raises. The model is parallelized once, however many times
-    ``configure_model`` runs. ``split_qkv`` and ``qk_clip_tau`` are refused with it:
-    the strategy does not take Muon's matrix views under tensor parallelism.
+    ``configure_model`` runs. ``split_qkv="heads"`` and ``qk_clip_tau`` work with it
+    (per-head blocks and the heads' rows are declared in head order); ``split_qkv="qkv"``,
+    three blocks of the ``[q; k; v]`` order, is refused.
 """
 
 from __future__ import annotations
@@ -127,11 +128,11 @@ class GPTLightningModule(L.LightningModule):
                 f"GPTLightningModule: `vocab_size` must be >= 0, got {vocab_size}; pass the data's"
                 f" vocabulary size, or 0 to read it from the datamodule."
             )
-        if tensor_parallel and (split_qkv != "none" or qk_clip_tau is not None):
+        if tensor_parallel and split_qkv == "qkv":
             raise ValueError(
-                "GPTLightningModule: tensor_parallel=True takes split_qkv='none' and qk_clip_tau=None (got"
-                f" split_qkv={split_qkv!r}, qk_clip_tau={qk_clip_tau!r}): the strategy does not take Muon's"
-                " matrix views under tensor parallelism; see docs/usage.md, 'Tensor parallelism'."
+                "GPTLightningModule: tensor_parallel=True stacks each c_attn head by head, so split_qkv='qkv'"
+                " (three blocks of the [q; k; v] order) does not fit it; pass split_qkv='heads' (per-head"
+                " blocks) or 'none'."
             )
         # The factories are code, not hyperparameters: a CLI-built callable need not
         # pickle, and the CLI saves its own config next to the checkpoints anyway.

@@ -100,7 +100,7 @@ from .engine.sharded import ReadRules, ShardedParameterSync
 from .optim.elementwise import elementwise_parameters
 from .engine.process_groups import ProcessGroups
 from .engine.tensor_parallel import build_mesh, check_tensor_parallel_optimizer, localize, share_spec
-from .engine.tp_exchange import muon_step_whole
+from .engine.tp_exchange import check_matrices, global_shape, muon_step_whole
 from .optim.muon import Muon
 
 log = logging.getLogger("lightning_layerwise")
@@ -387,16 +387,25 @@ class LayerwiseSession:
         matrices (Note [tensor-parallel exchange] in ``engine/tp_exchange.py``)."""
         replaced = localize(module, self.device_mesh["tensor_parallel"], self._name)
         for optimizer in optimizers:
-            check_tensor_parallel_optimizer(optimizer, replaced, self.config.elementwise_optimizers, self._name)
             for group in optimizer.param_groups:
                 group["params"] = [replaced.get(p, p) for p in group["params"]]
-            if isinstance(optimizer, Muon):
-                optimizer._whole_matrices = muon_step_whole
+            self._tensor_parallel_optimizer(optimizer)
+
+    def _tensor_parallel_optimizer(self, optimizer: Optimizer) -> None:
+        """Refuses an optimizer that would step tensor-parallel shards as whole tensors; Muon orthogonalizes whole
+        matrices."""
+        check_tensor_parallel_optimizer(optimizer, self.config.elementwise_optimizers, self._name)
+        if isinstance(optimizer, Muon):
+            check_matrices([global_shape(p) for g in optimizer.param_groups if g["use_muon"] for p in g["params"]],
+                           self._name)
+            optimizer._whole_matrices, optimizer._global_shape = muon_step_whole, global_shape
 
     def add_optimizer(self, optimizer: Optimizer) -> None:
         """An optimizer made after :meth:`wrap` (its parameters are owned whole: the layout is fixed)."""
         if self.wrapper is None:
             raise RuntimeError(f"{self._name}: wrap the module before adding an optimizer.")
+        if self.config.tensor_parallel_size > 1:
+            self._tensor_parallel_optimizer(optimizer)
         self.optimizers.append(optimizer)
         self._after_optimizers()
 

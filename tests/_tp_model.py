@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_layerwise import record_attention_logits
+from lightning_layerwise.optim.qk_clip import ATTENTION_ATTRIBUTE
+
 VOCAB, WIDTH, HEADS, BLOCKS, SEQ = 64, 32, 4, 2, 12
 
 
@@ -27,6 +30,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, _ = x.shape
         q, k, v = (m(x).view(B, S, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        if hasattr(self, ATTENTION_ATTRIBUTE):  # declared for QK-clip: under tensor parallelism, this rank's heads
+            record_attention_logits(self, q, k, is_causal=True)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, S, -1))
 

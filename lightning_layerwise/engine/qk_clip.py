@@ -13,6 +13,12 @@ Note [QK-clip across ranks]
       the step's update and every rank ends with the same weights. The query and
       key weights of one head may have two owners: each rescales its own.
 
+    * Under tensor parallelism a rank computes the heads of its shard of the query weight (rows
+      ``[t n / T, (t + 1) n / T)``), so it records those; after the data-parallel maximum the heads are
+      gathered over the tensor-parallel group in rank order, every rank computes every factor, and each
+      scales its block of the rows. The parameters are looked up by name at the step: the strategy gives
+      the module local parameters when it wraps it, after the optimizer and this clip were made.
+
     :meth:`QKClip.attach` runs it as a step post-hook of the optimizer, so a step the
     optimizer skips (a ``GradScaler`` that found an inf) skips the rescale too, and
     its logits count towards the next step's maximum (the weights did not change).
@@ -47,6 +53,7 @@ from torch import Tensor, nn
 from ..optim.qk_clip import ATTENTION_ATTRIBUTE, LOGITS_ATTRIBUTE, AttentionHeads, head_factors
 from . import collectives
 from .live_wrappers import wrapper_of
+from .tensor_parallel import spec_of, tensor_parallel_group
 
 __all__ = ["QKClip"]
 
@@ -72,9 +79,9 @@ class QKClip:
                              "lightning_layerwise.mark_attention(module, n_heads=..., head_dim=..., q=..., k=...) on "
                              "each attention module and record_attention_logits(...) in its forward.")
         params = dict(model.named_parameters(remove_duplicate=False))
-        self._rows: list[tuple[Tensor, list[tuple[int, str, int, int]]]] = []
-        """Each parameter holding query or key rows, once (a fused QKV holds both), with its ranges: (attention,
-        "q" or "k", first row, head_dim). Resolved here: the step looks nothing up."""
+        self._rows: list[tuple[str, list[tuple[int, str, int, int]]]] = []
+        """Each parameter holding query or key rows, once (a fused QKV holds both), by name, with its ranges:
+        (attention, "q" or "k", first row, head_dim); :meth:`_params` holds the parameters."""
         for a, (path, _, heads) in enumerate(self.attentions):
             for role, kind, offset in (("q", "q", heads.q_offset), ("k", "k", heads.k_offset),
                                        ("q_bias", "q", heads.q_offset), ("k_bias", "k", heads.k_offset)):
@@ -82,12 +89,13 @@ class QKClip:
                 if name is None:
                     continue
                 param = params[_join(path, name)]
-                entry = next((e for e in self._rows if e[0] is param), None)
+                entry = next((e for e in self._rows if params[e[0]] is param), None)
                 if entry is None:
-                    entry = (param, [])
+                    entry = (_join(path, name), [])
                     self._rows.append(entry)
                 entry[1].append((a, kind, offset, heads.head_dim))
-        self._check_rows_declared_once(params)
+        self._check_rows_declared_once()
+        self._held: list[Tensor] = []
         self.last_max_logits: Tensor | None = None
         """Every declared head's largest logit of the last clipped step, over all ranks (attention order)."""
         self.clipped_heads: int | Tensor = 0
@@ -140,21 +148,24 @@ class QKClip:
                 "lightning_layerwise.record_attention_logits(self, q, k, ...), add it; a layer skipped this step is "
                 "fine. (Warned once.)", stacklevel=3)
 
-    def _check_rows_declared_once(self, params: dict[str, Tensor]) -> None:
+    def _check_rows_declared_once(self) -> None:
         """Refuses a row that two declarations scale (two attentions sharing a parameter's rows): each would write
         its own factor, the last one winning."""
-        name_of = {id(p): n for n, p in params.items()}
-        for param, ranges in self._rows:
-            spans = sorted((offset, offset + head_dim * (self.attentions[a][2].n_heads if kind == "q"
-                                                         else self.attentions[a][2].kv_heads), a, kind)
-                           for a, kind, offset, head_dim in ranges)
-            for (start, stop, a, kind), (start2, _, b, kind2) in zip(spans, spans[1:]):
-                if start2 < stop:
-                    raise ValueError(
-                        f"QKClip: rows [{start2}, {stop}) of {name_of[id(param)]!r} are declared twice, as {kind} rows "
-                        f"of attention {self.attentions[a][0]!r} and as {kind2} rows of {self.attentions[b][0]!r}; "
-                        "QK-clip would scale them by one head's factor and drop the other's. Give each attention "
-                        "its own rows (a parameter shared by two attentions cannot be clipped yet).")
+        for name, ranges in self._rows:
+            declared: dict[int, tuple[int, str]] = {}
+            for a, kind, offset, _ in ranges:
+                for row in self._head_rows(a, kind, offset).tolist():
+                    b, kind2 = declared.setdefault(row, (a, kind))
+                    if (b, kind2) != (a, kind):
+                        raise ValueError(
+                            f"QKClip: row {row} of {name!r} is declared twice, as one of the {kind2} rows of attention "
+                            f"{self.attentions[b][0]!r} and as {kind} rows of {self.attentions[a][0]!r}; QK-clip would "
+                            "scale them by one head's factor and drop the other's. Give each attention its own rows "
+                            "(a parameter shared by two attentions cannot be clipped yet).")
+
+    def _head_rows(self, a: int, kind: str, offset: int) -> Tensor:
+        heads = self.attentions[a][2]
+        return heads.rows(offset, heads.n_heads if kind == "q" else heads.kv_heads)
 
     def _reduce_group(self, wrapper) -> Any:
         if self._group != "auto":
@@ -168,13 +179,20 @@ class QKClip:
         """Rescales the heads whose largest logit since the last call exceeded ``tau`` (collective over the
         data-parallel group when there is one: every rank calls it, as every rank steps)."""
         self._check_recorded()
-        first = self._rows[0][0]
-        wrapper, device = wrapper_of(first), first.device
+        params = self._params()
+        wrapper, device = wrapper_of(params[0]), params[0].device
+        ways = [self._ways(path, heads) for path, _, heads in self.attentions]
         maxima = []
-        for _, module, heads in self.attentions:
+        for (path, module, heads), w in zip(self.attentions, ways):
             held = getattr(module, LOGITS_ATTRIBUTE, None)
+            if held is not None and held.numel() != heads.n_heads // w:
+                raise ValueError(
+                    f"QKClip: attention {path!r} recorded the logits of {held.numel()} heads; it declares "
+                    f"n_heads={heads.n_heads}" + (f", {heads.n_heads // w} on each of its {w} tensor-parallel ranks "
+                                                  "(its query weight is sharded by rows)" if w > 1 else "") +
+                    ". Pass record_attention_logits the q and k handed to F.scaled_dot_product_attention.")
             maxima.append(held.to(device) if held is not None else
-                          torch.full((heads.n_heads,), float("-inf"), device=device))
+                          torch.full((heads.n_heads // w,), float("-inf"), device=device))
             object.__setattr__(module, LOGITS_ATTRIBUTE, None)
         s_max = torch.cat(maxima)
         group = self._reduce_group(wrapper)
@@ -182,6 +200,10 @@ class QKClip:
             # Through the engine's dispatch, in program order with its other collectives on the group (the timing
             # fuzzer queues them all on one thread per group; a direct call would overtake its queue).
             collectives.all_reduce_max(s_max, group)
+        tp_group = tensor_parallel_group(params)
+        if tp_group is not None:
+            s_max = _all_heads(s_max, [(w, heads.n_heads // w) for w, (_, _, heads) in zip(ways, self.attentions)],
+                               tp_group)
         self.last_max_logits = s_max
         self.clipped_heads = (s_max > self.tau).sum()
         factors, start = [], 0
@@ -189,12 +211,31 @@ class QKClip:
             q_factor, k_factor = head_factors(s_max[start:start + heads.n_heads], self.tau, heads.n_kv_heads)
             factors.append({"q": q_factor, "k": k_factor})
             start += heads.n_heads
-        for param, ranges in self._rows:
-            rows = torch.ones(param.shape[0], device=device, dtype=torch.float32)
+        for param, (_, ranges) in zip(params, self._rows):
+            spec = spec_of(param)
+            rows = torch.ones(param.shape[0] if spec is None else spec.shape[0], device=device, dtype=torch.float32)
             for a, kind, offset, head_dim in ranges:
                 factor = factors[a][kind]
-                rows[offset:offset + factor.numel() * head_dim] = factor.repeat_interleave(head_dim)
+                if self.attentions[a][2].head_stride is None:
+                    rows[offset:offset + factor.numel() * head_dim] = factor.repeat_interleave(head_dim)
+                else:
+                    rows[self._head_rows(a, kind, offset).to(device)] = factor.repeat_interleave(head_dim)
+            if spec is not None and spec.shard_dim == 0:  # this rank holds a block of the rows
+                rows = rows.chunk(dist.get_world_size(spec.group))[dist.get_rank(spec.group)]
             self._scale_rows(param, rows, wrapper)
+
+    def _params(self) -> list[Tensor]:
+        """The parameters of :attr:`_rows`, looked up again when the module's are new (tensor parallelism gives
+        a module local parameters when the strategy wraps it, after the optimizer and this clip were made)."""
+        if not self._held or _parameter(self.model, self._rows[0][0]) is not self._held[0]:
+            self._held = [_parameter(self.model, name) for name, _ in self._rows]
+        return self._held
+
+    def _ways(self, path: str, heads: AttentionHeads) -> int:
+        """Over how many tensor-parallel ranks an attention's query heads are spread: the group's size where its
+        query weight is sharded by rows (each rank computes its block of heads), else 1."""
+        spec = spec_of(_parameter(self.model, _join(path, heads.q)))
+        return 1 if spec is None or spec.shard_dim != 0 else dist.get_world_size(spec.group)
 
     @staticmethod
     def _scale_rows(param: Tensor, rows: Tensor, wrapper) -> None:
@@ -215,6 +256,24 @@ class QKClip:
         else:  # a piece: elements [start, stop) of the flattened parameter
             flat = rows.repeat_interleave(row_length)[piece.start:piece.stop]
             target.view(-1).mul_(flat.to(target.dtype))
+
+
+def _all_heads(local: Tensor, counts: list[tuple[int, int]], group) -> Tensor:
+    """Every head's maximum from each tensor-parallel rank's ``local`` ones (collective over ``group``), with
+    ``counts`` each attention's ``(ranks its heads are spread over, heads on a rank)``: rank ``t`` of an attention
+    spread over ``w`` ranks holds its heads ``[t n / w, (t + 1) n / w)``; one held whole is the same on every rank."""
+    gathered = collectives.all_gather_stacked(local, group)
+    out, start = [], 0
+    for w, n in counts:
+        out.append(gathered[:, start:start + n].reshape(-1) if w > 1 else gathered[0, start:start + n])
+        start += n
+    return torch.cat(out)
+
+
+def _parameter(model: nn.Module, name: str) -> Tensor:
+    """``model``'s parameter ``name`` as registered (under tensor parallelism its attribute reads as a DTensor)."""
+    owner, _, attr = name.rpartition(".")
+    return model.get_submodule(owner)._parameters[attr]
 
 
 def _names(paths: list[str]) -> str:

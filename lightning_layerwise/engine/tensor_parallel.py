@@ -205,10 +205,10 @@ def sum_over_mesh(sharded: torch.Tensor, replicated: torch.Tensor, group) -> tor
     return total + replicated
 
 
-def check_tensor_parallel_optimizer(optimizer, replaced: dict, elementwise_optimizers, owner: str) -> None:
+def check_tensor_parallel_optimizer(optimizer, elementwise_optimizers, owner: str) -> None:
     """Refuses an optimizer that would step shards of tensor-parallel matrices as if they were whole: anything but
     :class:`~lightning_layerwise.Muon` (which orthogonalizes them whole) or an element-wise optimizer (for which a
-    shard is as good as the whole)."""
+    shard is as good as the whole). Its parameters are the local ones (:func:`localize`)."""
     from ..optim.elementwise import elementwise_parameters
     from ..optim.muon import Muon
 
@@ -217,10 +217,11 @@ def check_tensor_parallel_optimizer(optimizer, replaced: dict, elementwise_optim
     elementwise = elementwise_parameters(optimizer, elementwise_optimizers)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in replaced and p not in elementwise and p.placements[0].is_shard():
+            if p not in elementwise and is_sharded(p):
+                spec = _SPECS[p]
                 raise ValueError(
                     f"{owner}(tensor_parallel_size=...): {type(optimizer).__name__} is given shards of "
-                    f"tensor-parallel parameters (one of shape {tuple(p.shape)}, placements {tuple(p.placements)}) "
+                    f"tensor-parallel parameters (one of shape {tuple(spec.shape)}, placements {spec.placements}) "
                     "and is not known to update element-wise, so it would step each shard as a whole tensor. Use "
                     "lightning_layerwise.Muon (it orthogonalizes each matrix whole) or an element-wise optimizer "
                     "(AdamW, Adam, SGD...), or declare yours with elementwise_optimizers=[...].")

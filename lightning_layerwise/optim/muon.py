@@ -59,6 +59,7 @@ __all__ = [
     "adjust_lr_scale",
     "muon_step",
     "muon_update",
+    "normuon_parts",
     "normuon_rows",
     "second_moment_size",
 ]
@@ -110,11 +111,18 @@ def normuon_rows(O: Tensor, second_moment: Tensor, beta2: float, eps: float) -> 
     Algorithm 1), in float32: ``v <- beta2 v + (1 - beta2) mean_cols(O * O)`` in place (``second_moment``, one
     entry per row), then ``O_hat = O / (sqrt(v) + eps)`` scaled by ``0.2 sqrt(m n) / ||O_hat||_F``, the paper's
     RMS-matching step size (the learning rate is applied by the caller). See Note [NorMuon]."""
+    normalized, scale = normuon_parts(O, second_moment, beta2, eps)
+    return normalized.mul_(scale)
+
+
+def normuon_parts(O: Tensor, second_moment: Tensor, beta2: float, eps: float) -> tuple[Tensor, Tensor]:
+    """:func:`normuon_rows` before its last product: updates ``second_moment`` in place and returns ``(O / (sqrt(v)
+    + eps), scale)``, the scale a 0-d float32 tensor. The update is their product, element by element, so a rank
+    holding part of ``O`` and the updated ``v`` computes its part of it exactly from ``scale`` alone."""
     O = O.float()
     second_moment.lerp_(O.square().mean(dim=1), 1 - beta2)
     normalized = O / (second_moment.sqrt() + eps).unsqueeze(1)
-    scale = 0.2 * math.sqrt(O.numel()) / torch.linalg.vector_norm(normalized).clamp(min=1e-30)
-    return normalized.mul_(scale)
+    return normalized, 0.2 * math.sqrt(O.numel()) / torch.linalg.vector_norm(normalized).clamp(min=1e-30)
 
 
 def _second_moment_rows(shapes: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -314,6 +322,9 @@ class Muon(Optimizer):
     _whole_matrices: Callable[..., None] | None = None
     """Set by the strategy under tensor parallelism: steps a group's matrices with Newton-Schulz on the whole
     matrices (Note [tensor-parallel exchange] in ``engine/tp_exchange.py``)."""
+    _global_shape: Callable[[Tensor], Sequence[int]] | None = None
+    """Set with ``_whole_matrices``: a parameter's whole shape, which sizes its NorMuon state (one float per row of
+    each whole matrix)."""
 
     def __init__(
         self,
@@ -459,16 +470,12 @@ class Muon(Optimizer):
             bufs.append(state["momentum_buffer"])
             if normuon:
                 if "second_moment" not in state:  # one float32 per row of each matrix (Note [NorMuon])
-                    state["second_moment"] = torch.zeros(second_moment_size(p.shape, view), dtype=torch.float32,
+                    shape = p.shape if self._global_shape is None else self._global_shape(p)
+                    state["second_moment"] = torch.zeros(second_moment_size(shape, view), dtype=torch.float32,
                                                          device=p.device)
                 moments.append(state["second_moment"])
         if self._whole_matrices is not None:
-            if normuon or view.split is not None or any(p.ndim != 2 for p in params):
-                raise ValueError(
-                    "Muon under tensor parallelism steps plain 2-D matrices for now; NorMuon (normuon=True), "
-                    "stacked or per-head blocks (mark_matrices, mark_attention) and >2-D parameters are not "
-                    f"supported with tensor_parallel_size > 1 yet (param group {self.param_groups.index(group)}).")
-            self._whole_matrices(params, [p.grad for p in params], bufs, group)
+            self._whole_matrices(params, [p.grad for p in params], bufs, group, view, moments if normuon else None)
             return
         muon_step(
             params,

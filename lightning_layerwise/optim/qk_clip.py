@@ -58,21 +58,35 @@ class AttentionHeads:
     """Key heads (grouped-query attention); ``None``: one per query head."""
     q_bias: str | None = None
     k_bias: str | None = None
+    head_stride: int | None = None
+    """Rows from one head's first row to the next head's (``None``: ``head_dim``, heads side by side); a fused QKV
+    stacked head by head, ``[q_0; k_0; v_0; q_1; ...]``, has ``3 * head_dim``."""
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
+    @property
+    def stride(self) -> int:
+        return self.head_stride or self.head_dim
+
+    def rows(self, offset: int, count: int) -> Tensor:
+        """The rows of ``count`` heads from ``offset``, head by head (``int64``)."""
+        starts = offset + torch.arange(count).unsqueeze(1) * self.stride
+        return (starts + torch.arange(self.head_dim)).reshape(-1)
+
 
 def mark_attention(module: nn.Module, *, n_heads: int, head_dim: int, q: str, k: str, q_offset: int = 0,
                    k_offset: int = 0, n_kv_heads: int | None = None, q_bias: str | None = "auto",
-                   k_bias: str | None = "auto") -> nn.Module:
+                   k_bias: str | None = "auto", head_stride: int | None = None) -> nn.Module:
     """Declares ``module``'s attention heads for QK-clip (Note [QK-clip]) and returns it.
 
     ``q``, ``k``: the names (relative to ``module``) of the weights whose rows ``[offset + h*head_dim, offset +
     (h+1)*head_dim)`` produce head h's queries and keys, e.g. ``q="c_attn.weight", k="c_attn.weight",
     k_offset=n_embd`` for a fused QKV or ``q="q_proj.weight", k="k_proj.weight"``. ``q_bias``, ``k_bias``: their
-    biases; ``"auto"`` takes the ``.bias`` beside a ``.weight`` if there is one.
+    biases; ``"auto"`` takes the ``.bias`` beside a ``.weight`` if there is one. ``head_stride``: rows from one
+    head's first row to the next's when heads are not side by side, e.g. ``head_stride=3 * head_dim``, ``q_offset=0``,
+    ``k_offset=head_dim`` for a fused QKV stacked head by head (as a tensor-parallel plan shards it).
     """
     for name, value in (("n_heads", n_heads), ("head_dim", head_dim)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -80,6 +94,11 @@ def mark_attention(module: nn.Module, *, n_heads: int, head_dim: int, q: str, k:
     for name, value in (("q_offset", q_offset), ("k_offset", k_offset)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"mark_attention({name}={value!r}): pass the first row of head 0, an integer >= 0.")
+    if head_stride is not None and (isinstance(head_stride, bool) or not isinstance(head_stride, int)
+                                    or head_stride < head_dim):
+        raise ValueError(f"mark_attention(head_stride={head_stride!r}): pass the rows from one head's first row to "
+                         f"the next's, an integer >= head_dim={head_dim} (e.g. 3 * head_dim for a fused QKV stacked "
+                         "head by head), or None for heads side by side.")
     kv = n_heads if n_kv_heads is None else n_kv_heads
     if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or n_heads % kv:
         raise ValueError(f"mark_attention(n_kv_heads={n_kv_heads!r}): pass the number of key heads, a positive "
@@ -93,7 +112,7 @@ def mark_attention(module: nn.Module, *, n_heads: int, head_dim: int, q: str, k:
         return sibling if sibling in params else None
 
     heads = AttentionHeads(n_heads, head_dim, q, k, q_offset, k_offset, n_kv_heads, resolve_bias(q, q_bias),
-                           resolve_bias(k, k_bias))
+                           resolve_bias(k, k_bias), head_stride)
     for role, name, offset, count in (("q", q, q_offset, n_heads), ("k", k, k_offset, kv),
                                       ("q_bias", heads.q_bias, q_offset, n_heads),
                                       ("k_bias", heads.k_bias, k_offset, kv)):
@@ -103,9 +122,9 @@ def mark_attention(module: nn.Module, *, n_heads: int, head_dim: int, q: str, k:
             raise ValueError(f"mark_attention({role}={name!r}): {type(module).__name__} has no parameter of that name "
                              f"(it has {sorted(params)[:6]}).")
         rows = params[name].shape[0]
-        if offset < 0 or offset + count * head_dim > rows:
+        if offset < 0 or offset + (count - 1) * heads.stride + head_dim > rows:
             raise ValueError(f"mark_attention: {role}={name!r} has {rows} rows, too few for {count} heads of "
-                             f"{head_dim} from row {offset}.")
+                             f"{head_dim} from row {offset}" + (f", {heads.stride} apart." if head_stride else "."))
     _check_disjoint(heads)
     setattr(module, ATTENTION_ATTRIBUTE, heads)
     return module
@@ -116,8 +135,16 @@ def _check_disjoint(heads: AttentionHeads) -> None:
     query factor and a key factor, the one written last winning, and the bound would not hold."""
     q_rows = (heads.q_offset, heads.q_offset + heads.n_heads * heads.head_dim)
     k_rows = (heads.k_offset, heads.k_offset + heads.kv_heads * heads.head_dim)
+    shared = bool(set(heads.rows(heads.q_offset, heads.n_heads).tolist()) &
+                  set(heads.rows(heads.k_offset, heads.kv_heads).tolist()))
     for q_name, k_name in ((heads.q, heads.k), (heads.q_bias, heads.k_bias)):
-        if q_name is not None and q_name == k_name and q_rows[0] < k_rows[1] and k_rows[0] < q_rows[1]:
+        if q_name is not None and q_name == k_name and shared and heads.head_stride is not None:
+            raise ValueError(
+                f"mark_attention(q={heads.q!r}, k={heads.k!r}, q_offset={heads.q_offset}, k_offset={heads.k_offset}, "
+                f"head_stride={heads.head_stride}): some query rows of {q_name!r} are also key rows; each row is a "
+                "query or a key. In a fused QKV stacked head by head pass q_offset=0, k_offset=head_dim, "
+                "head_stride=3 * head_dim.")
+        if q_name is not None and q_name == k_name and shared:
             raise ValueError(
                 f"mark_attention(q={heads.q!r}, k={heads.k!r}, q_offset={heads.q_offset}, k_offset={heads.k_offset}): "
                 f"the query rows [{q_rows[0]}, {q_rows[1]}) and the key rows [{k_rows[0]}, {k_rows[1]}) of "
@@ -175,9 +202,12 @@ def record_attention_logits(module: nn.Module, q: Tensor, k: Tensor, attn_mask: 
 
 def _check_layout(module: nn.Module, heads: AttentionHeads, q: Tensor, k: Tensor) -> None:
     """``q`` ``(..., n_heads, L, head_dim)`` and ``k`` with ``n_kv_heads`` (or ``n_heads``, repeated) heads, as
-    declared: another layout (``(B, L, H, E)``) would give maxima of other heads, or of no head at all."""
-    if q.ndim < 3 or k.ndim < 3 or (q.shape[-3], q.shape[-1]) != (heads.n_heads, heads.head_dim) or \
-            k.shape[-3] not in (heads.kv_heads, heads.n_heads) or k.shape[-1] != heads.head_dim:
+    declared: another layout (``(B, L, H, E)``) would give maxima of other heads, or of no head at all. Under tensor
+    parallelism a rank computes ``1/w`` of the heads (``n_heads / w`` and ``n_kv_heads / w``, or as many repeated);
+    ``QKClip`` checks ``w`` against the sharding (``engine/qk_clip.py``)."""
+    ways = heads.n_heads // q.shape[-3] if q.ndim >= 3 and q.shape[-3] and not heads.n_heads % q.shape[-3] else 0
+    if q.ndim < 3 or k.ndim < 3 or not ways or q.shape[-1] != heads.head_dim or heads.kv_heads % ways or \
+            k.shape[-3] not in (heads.kv_heads // ways, q.shape[-3]) or k.shape[-1] != heads.head_dim:
         raise ValueError(
             f"record_attention_logits({type(module).__name__}): q has shape {tuple(q.shape)} and k "
             f"{tuple(k.shape)}, but mark_attention declared n_heads={heads.n_heads}, n_kv_heads="

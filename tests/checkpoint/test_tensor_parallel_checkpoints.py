@@ -2,8 +2,9 @@
 tensor-parallel) shape (Note [tensor-parallel checkpoints] in ``checkpoint/tensor_parallel.py``).
 
 The model is ``tests/_tp_model.py``'s (projections column- and row-wise, norms, an embedding, a head; one block),
-trained with AdamW and with Muon on the same global batches whatever the mesh (each data-parallel rank its
-slice). Each save writes a full file (``"auto"``'s choice for this small model) and a sharded directory. Three
+trained with AdamW and with Muon (NorMuon, the queries in per-head blocks: its state is one float per row of
+each whole block, kept whole by every tensor-parallel rank) on the same global batches whatever the mesh (each
+data-parallel rank its slice). Each save writes a full file (``"auto"``'s choice for this small model) and a sharded directory. Three
 runs, each over both optimizers and, where it resumes, both formats:
 
 * 2 ranks without tensor parallelism save after ``SAVED`` steps;
@@ -45,7 +46,10 @@ FORMATS = {"": "full file", ".dir": "sharded directory"}  # what a checkpoint's 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    return llw.Muon(llw.muon_param_groups(model), lr=0.02, weight_decay=0.1, adamw_lr=1e-3, ns_dtype=torch.float32)
+    for block in model.blocks:  # per-head blocks: NorMuon's state is one float per row of each whole head block
+        llw.mark_matrices(block.attn.q, "weight", split=4)
+    return llw.Muon(llw.muon_param_groups(model), lr=0.01, weight_decay=0.1, adamw_lr=1e-3, ns_dtype=torch.float32,
+                    normuon=True)
 
 
 def run(world: int, T: int, optimizer: str, start: int, stop: int, load: str | None = None,

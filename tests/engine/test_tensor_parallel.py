@@ -22,7 +22,7 @@ from lightning_layerwise.engine import tp_exchange
 from lightning_layerwise.engine.tensor_parallel import localize
 from lightning_layerwise.engine.wrapper_setup import layout_specs
 from tests._dist import LATE_MS, reference_threads, run_distributed
-from tests._tp_model import TinyLM, batches, full_state, parallelize
+from tests._tp_model import HEADS, WIDTH, TinyLM, batches, full_state, parallelize
 
 STEPS, BATCH, RTOL = 8, 8, 1e-5
 
@@ -30,7 +30,35 @@ STEPS, BATCH, RTOL = 8, 8, 1e-5
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    return llw.Muon(llw.muon_param_groups(model), lr=0.02, weight_decay=0.1, adamw_lr=1e-3, ns_dtype=torch.float32)
+    if name.endswith("views"):
+        mark_views(model)
+    normuon = {"normuon": True, "lr": 0.01} if name.startswith("normuon") else {"lr": 0.02}
+    opt = llw.Muon(llw.muon_param_groups(model), weight_decay=0.1, adamw_lr=1e-3, ns_dtype=torch.float32, **normuon)
+    if name.endswith("qkclip"):  # a bound the first steps' logits pass, so heads are clipped
+        for block in model.blocks:
+            llw.mark_attention(block.attn, n_heads=HEADS, head_dim=WIDTH // HEADS, q="q.weight", k="k.weight")
+        CLIPS.append(llw.QKClip(model, tau=QK_TAU).attach(opt))
+    return opt
+
+
+CLIPS: list = []  # the QK-clips of the runs in this process, to read after them
+QK_TAU = 0.5
+
+
+def mark_views(model: torch.nn.Module) -> None:
+    """Blocks of every kind against the tensor-parallel shards: per-head rows of the column-wise q, k, v (each rank
+    holds whole heads), per-head columns of the row-wise o; in the MLP blocks of two sizes, in the first block
+    along the sharded dimension and straddling the shard boundary (rows of the column-wise up, columns of the
+    row-wise down), in the second across it (columns of up, rows of down: each rank holds part of every block)."""
+    for block in model.blocks:
+        for name in ("q", "k", "v"):
+            llw.mark_matrices(getattr(block.attn, name), "weight", split=HEADS)
+        llw.mark_matrices(block.attn.o, "weight", split=HEADS, split_dim=1)
+    first, second = model.blocks[0].mlp, model.blocks[1].mlp
+    llw.mark_matrices(first.up, "weight", split=(WIDTH + 16, 3 * WIDTH - 16))
+    llw.mark_matrices(first.down, "weight", split=(WIDTH + 8, 3 * WIDTH - 8), split_dim=1)
+    llw.mark_matrices(second.up, "weight", split=(12, WIDTH - 12), split_dim=1)
+    llw.mark_matrices(second.down, "weight", split=(WIDTH - 12, 12))
 
 
 def reference(optimizer: str, tied: bool) -> dict[str, torch.Tensor]:
@@ -42,7 +70,12 @@ def reference(optimizer: str, tied: bool) -> dict[str, torch.Tensor]:
             model.loss(tokens).backward()
             opt.step()
             opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {**{n: p.detach().clone() for n, p in model.named_parameters()}, **last_logits(optimizer)}
+
+
+def last_logits(optimizer: str) -> dict[str, torch.Tensor]:
+    """Under QK-clip, every head's largest logit of the last step, over the world (compared like a parameter)."""
+    return {"qk_clip.last_max_logits": CLIPS[-1].last_max_logits.clone()} if optimizer.endswith("qkclip") else {}
 
 
 def train(world: int, T: int, optimizer: str, tied: bool = False, parallel_head: bool = False,
@@ -70,7 +103,7 @@ def train(world: int, T: int, optimizer: str, tied: bool = False, parallel_head:
     assert session.wrapper.shard_parameters == (shard_parameters and D > 1)
     session.sync_parameters()
     with llw.full_parameters(model) if shard_parameters else contextlib.nullcontext():
-        out = full_state(model)
+        out = {**full_state(model), **last_logits(optimizer)}
     session.release()
     return out
 
@@ -122,8 +155,19 @@ def test_tensor_parallel_2_alone_matches_one_process():
     assert_matches(run_distributed(_configs, 2, configs), configs)
 
 
+@pytest.mark.slow
+def test_normuon_matrix_blocks_and_qk_clip_with_tensor_parallelism_match_one_process():
+    """NorMuon and blocks of every kind (``mark_views``: per head, straddling the shard boundary, across it) cut
+    from the whole matrices on their ranks, NorMuon's state kept whole (Note [views and NorMuon over the exchange]
+    in ``engine/tp_exchange.py``); QK-clip with each tensor-parallel rank recording its own heads: every head's
+    largest logit over the world equals one process's, and so do the clipped weights."""
+    configs = [(2, "normuon_views"), (2, "muon_views"), (2, "normuon_qkclip"), (4, "normuon_views"),
+               (4, "muon_qkclip")]
+    assert_matches(run_distributed(_configs, 4, configs), configs)
+
+
 def test_tensor_parallel_matches_one_process_with_late_collectives():
-    configs = [(2, "muon", True)]
+    configs = [(2, "muon", True), (2, "normuon_qkclip")]
     assert_matches(run_distributed(_configs, 4, configs, late_ms=LATE_MS), configs)
 
 
@@ -142,10 +186,10 @@ def _count_orthogonalized(rank: int, world: int, duplicate: bool) -> list[list[t
     if duplicate:
         whole = tp_exchange.orthogonalize_whole
 
-        def everywhere(directions, specs, orthogonalize, dtype):
-            full = [_gathered(d, s) for d, s in zip(directions, specs)]
-            orthogonalize(full)  # every rank does all the work; the result is not used
-            return whole(directions, specs, orthogonalize, dtype)
+        def everywhere(directions, specs, update, dtype, extra_sizes=None):
+            # every rank does all the work (counted); the result is not used
+            tp_exchange.orthogonalize([_gathered(d, s) for d, s in zip(directions, specs)])
+            return whole(directions, specs, update, dtype, extra_sizes)
 
         tp_exchange.orthogonalize_whole = everywhere
     try:
@@ -188,7 +232,8 @@ def test_each_matrix_is_orthogonalized_whole_once_in_the_world(duplicate):
 def _shards_alone(rank: int, world: int) -> dict[str, torch.Tensor]:
     """The mutation the parity tests must catch: each rank orthogonalizes its shards alone (blockwise)."""
     original = tp_exchange.orthogonalize_whole
-    tp_exchange.orthogonalize_whole = lambda directions, specs, orthogonalize, dtype: orthogonalize(list(directions))
+    tp_exchange.orthogonalize_whole = lambda directions, specs, update, dtype, extra_sizes=None: (
+        update(list(range(len(directions))), list(directions))[0], None)
     try:
         return train(world, 2, "muon")
     finally:
@@ -254,12 +299,29 @@ def _refusals(rank: int, world: int) -> list[str]:
         llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2)).wrap(on_meta)
     except ValueError as error:
         messages.append(str(error))
+    stacked = parallelize(TinyLM(), mesh["tensor_parallel"])
+    stacked.experts = torch.nn.Parameter(torch.randn(2, 8, 8))  # a stack of matrices, replicated over the group
+    try:
+        llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2)).wrap(
+            stacked, llw.Muon(llw.muon_param_groups(stacked)))
+    except ValueError as error:
+        messages.append(str(error))
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2))
+    later = parallelize(TinyLM(), mesh["tensor_parallel"])
+    session.wrap(later)
+    try:  # an optimizer added after wrap is checked as one given to it
+        session.add_optimizer(WholeTensor(later.parameters()))
+    except ValueError as error:
+        messages.append(str(error))
+    session.release()
     return messages
 
 
 def test_set_up_refuses_by_name_and_costs_each_shard_as_its_whole_matrix():
     messages = run_distributed(_refusals, 2)[0]
-    assert len(messages) == 5, messages
+    assert len(messages) == 7, messages
+    assert "(2, 8, 8)" in messages[5] and "2-D matrices" in messages[5]
+    assert "WholeTensor" in messages[6] and "shards of tensor-parallel parameters" in messages[6]
     assert messages[3] == ((16, 32), ((32, 32),), (32, 64), ((32, 128),)), messages[3]
     assert "meta device" in messages[4] and "empty_init=False" in messages[4]
     assert "shard_parameters=True" in messages[0] and "fully_shard" in messages[0]

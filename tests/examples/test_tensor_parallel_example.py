@@ -39,27 +39,41 @@ STEPS, BATCH, T, RTOL = 4, 4, 2, 1e-5
 TEXT = "".join(f"def f{i % 7}(x):\n    return x * {i % 5} + {i % 3}\n" for i in range(200))
 
 
+TAU = 0.05  # QK-clip's bound in the "views" run: below the first steps' largest logits, so heads are clipped
+VARIANTS = {  # per run: the module's options besides the shape
+    "plain": {},
+    # per-head blocks of the head-ordered c_attn, NorMuon, QK-clip on rows declared head by head
+    "views": {"split_qkv": "heads", "qk_clip_tau": TAU},
+}
+
+
 def muon(groups):
     return llw.Muon(groups, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+
+
+def normuon(groups):
+    return llw.Muon(groups, lr=0.01, adamw_lr=3e-3, ns_dtype=torch.float32, normuon=True)
 
 
 def data(path: str) -> CharDataModule:
     return CharDataModule(text_path=path, block_size=SHAPE["block_size"], batch_size=BATCH, val_windows=8)
 
 
-def _fit_tensor_parallel(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+def _fit_tensor_parallel(rank: int, world: int, path: str, variant: str) -> dict[str, torch.Tensor]:
     os.environ["PL_GLOBAL_SEED"] = "0"  # Lightning's DistributedSampler seed (a test before may have set another)
     dm = data(path)
     torch.manual_seed(0)
-    model = GPTLightningModule(vocab_size=dm.vocab_size, tensor_parallel=True, optimizer=muon, **SHAPE)
+    model = GPTLightningModule(vocab_size=dm.vocab_size, tensor_parallel=True,
+                               optimizer=normuon if variant == "views" else muon, **VARIANTS[variant], **SHAPE)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=llw.LayerwiseStrategy(tensor_parallel_size=T),
                         max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     trainer.fit(model, datamodule=dm)
-    return full_state(model.model)
+    logits = {"qk_clip.last_max_logits": model.qk_clip.last_max_logits} if variant == "views" else {}
+    return {**full_state(model.model), **logits}
 
 
-def reference(path: str, world: int) -> dict[str, torch.Tensor]:
+def reference(path: str, world: int, variant: str) -> dict[str, torch.Tensor]:
     """The plain GPT in one process on the run's global batches, its ``c_attn`` rows put in head order."""
     from torch.utils.data import DistributedSampler
 
@@ -69,24 +83,32 @@ def reference(path: str, world: int) -> dict[str, torch.Tensor]:
     orders = [list(DistributedSampler(dm.train_set, num_replicas=D, rank=d, shuffle=True, seed=0)) for d in range(D)]
     with reference_threads():
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=dm.vocab_size, **SHAPE))
-        opt = muon(llw.muon_param_groups(model))
+        views = variant == "views"
+        model = GPT(GPTConfig(vocab_size=dm.vocab_size, split_qkv=VARIANTS[variant].get("split_qkv", "none"),
+                              qk_clip=views, **SHAPE))
+        opt = (normuon if views else muon)(llw.muon_param_groups(model))
+        clip = llw.QKClip(model, tau=TAU).attach(opt) if views else None
+        clipped = 0
         for step in range(STEPS):
             windows = [dm.train_set[i] for d in range(D) for i in orders[d][BATCH * step: BATCH * (step + 1)]]
             x, y = (torch.stack(t) for t in zip(*windows))
             model(x, y)[1].backward()
             opt.step()
             opt.zero_grad()
+            clipped += int(clip.clipped_heads) if views else 0
+    assert clipped or not views, "QK-clip rescaled no head: the test would not see it"
     rows = head_grouped_rows(SHAPE["n_embd"], SHAPE["n_head"])
-    return {n: (p[rows] if ".attn.c_attn." in n else p).detach().clone() for n, p in model.named_parameters()}
+    logits = {"qk_clip.last_max_logits": clip.last_max_logits} if views else {}
+    return {**{n: (p[rows] if ".attn.c_attn." in n else p).detach().clone() for n, p in model.named_parameters()},
+            **logits}
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["tp2", "dp2xtp2"])
-def test_tensor_parallel_example_gpt_matches_one_process(tmp_path, world):
+@pytest.mark.parametrize("world, variant", [(2, "plain"), (4, "views")], ids=["tp2", "dp2xtp2-normuon-heads-qkclip"])
+def test_tensor_parallel_example_gpt_matches_one_process(tmp_path, world, variant):
     path = tmp_path / "corpus.txt"
     path.write_text(TEXT, encoding="utf-8")
-    results = run_distributed(_fit_tensor_parallel, world, str(path))
-    want = reference(str(path), world)
+    results = run_distributed(_fit_tensor_parallel, world, str(path), variant)
+    want = reference(str(path), world, variant)
     start = GPT(GPTConfig(vocab_size=len(set(TEXT)), qkv_order="head", **SHAPE))
     keys = torch.zeros(SHAPE["n_head"], 3, SHAPE["n_embd"] // SHAPE["n_head"], dtype=torch.bool)
     keys[:, 1] = True  # the key rows of a head-ordered c_attn.bias
@@ -102,6 +124,8 @@ def test_tensor_parallel_example_gpt_matches_one_process(tmp_path, world):
             assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
             torch.testing.assert_close(got[name], results[0][name], rtol=0, atol=0)
     moved = max(((want[n] - p).norm() / p.norm()).item() for n, p in start.named_parameters() if p.ndim == 2)
+    if variant == "views":  # every head's largest logit of the last step, over the world
+        assert want["qk_clip.last_max_logits"].numel() == SHAPE["n_head"] * SHAPE["n_layer"]
     assert moved > 1e-2, "training moved the parameters"
 
 
@@ -123,8 +147,8 @@ def test_tensor_parallel_without_a_mesh_is_refused_under_a_trainer_and_whole_wit
     model._trainer = types.SimpleNamespace()  # a Trainer whose strategy gave the module no mesh
     with pytest.raises(ValueError, match=r"LayerwiseStrategy\(tensor_parallel_size=T\)"):
         model.configure_model()
-    with pytest.raises(ValueError, match="split_qkv='none' and qk_clip_tau=None"):
-        GPTLightningModule(vocab_size=11, tensor_parallel=True, split_qkv="heads", **SHAPE)
+    with pytest.raises(ValueError, match="pass split_qkv='heads'"):
+        GPTLightningModule(vocab_size=11, tensor_parallel=True, split_qkv="qkv", **SHAPE)
     with pytest.raises(ValueError, match="qkv_order='qkv'"):
         GPTConfig(qkv_order="head", split_qkv="qkv")
 

@@ -386,11 +386,37 @@ def test_an_attention_that_records_nothing_while_others_do_is_warned_about_once(
      r"None \(one key head per query head\)\.$"),
     ({"q": "weight", "k": "weight", "k_offset": -8}, r"^mark_attention\(k_offset=-8\): pass the first row of head 0"),
     ({"q": "weight", "k": "weight", "q_offset": 1.0}, r"^mark_attention\(q_offset=1\.0\): pass the first row"),
+    ({"q": "weight", "k": "weight", "k_offset": 2, "head_stride": 8},
+     r"^mark_attention\(q='weight', k='weight', q_offset=0, k_offset=2, head_stride=8\): some query rows of 'weight' "
+     r"are also key rows; each row is a query or a key\. In a fused QKV stacked head by head pass q_offset=0, "
+     r"k_offset=head_dim, head_stride=3 \* head_dim\.$"),
+    ({"q": "weight", "k": "weight", "k_offset": 4, "head_stride": 3},
+     r"^mark_attention\(head_stride=3\): pass the rows from one head's first row to the next's, an integer >= "
+     r"head_dim=4"),
+    ({"q": "weight", "k": "weight", "q_offset": 16, "k_offset": 4, "head_stride": 12},
+     r"^mark_attention: q='weight' has 24 rows, too few for 2 heads of 4 from row 16, 12 apart\.$"),
 ], ids=["k_offset-forgotten", "keys-start-inside-queries", "keys-before-queries", "n_kv_heads-0", "k_offset-negative",
-        "q_offset-float"])
+        "q_offset-float", "strided-rows-shared", "stride-below-head_dim", "strided-past-the-end"])
 def test_mark_attention_refuses_overlapping_or_meaningless_rows(kwargs, match):
     with pytest.raises(ValueError, match=match):
         llw.mark_attention(nn.Linear(4, 24), n_heads=2, head_dim=4, **kwargs)
+
+
+def test_heads_stacked_head_by_head_are_clipped_in_their_own_rows():
+    """A fused QKV in head order, ``[q_0; k_0; v_0; q_1; ...]``, declared with ``head_stride``: QK-clip scales the
+    query and key rows of each head by that head's factors and leaves the value rows alone."""
+    d, heads, hd = 8, 2, 4
+    module = nn.Module()
+    module.qkv = nn.Linear(d, 3 * d)
+    llw.mark_attention(module, n_heads=heads, head_dim=hd, q="qkv.weight", k="qkv.weight", k_offset=hd,
+                       head_stride=3 * hd)
+    before = module.qkv.weight.detach().clone()
+    clip = llw.QKClip(module, tau=1.0)
+    module.llw_max_logits = torch.tensor([4.0, 0.5])  # head 0 over the bound by 4x, head 1 under it
+    clip.step()
+    factor = torch.ones(3 * d)
+    factor[0:hd] = factor[hd:2 * hd] = 0.5  # sqrt(1/4) on head 0's query and key rows
+    torch.testing.assert_close(module.qkv.weight, before * factor.unsqueeze(1), rtol=0, atol=0)
 
 
 def test_mark_attention_accepts_disjoint_rows_in_either_order():
@@ -417,6 +443,6 @@ def test_rows_that_two_attentions_declare_are_refused():
     first.qkv = second.qkv = shared
     for module in (first, second):
         llw.mark_attention(module, n_heads=2, head_dim=4, q="qkv.weight", k="qkv.weight", k_offset=8)
-    with pytest.raises(ValueError, match=r"^QKClip: rows \[0, 8\) of '.*qkv\.weight' are declared twice, as q rows of "
-                                         r"attention 'first' and as q rows of 'second'"):
+    with pytest.raises(ValueError, match=r"^QKClip: row 0 of '.*qkv\.weight' is declared twice, as one of the q rows "
+                                         r"of attention 'first' and as q rows of 'second'"):
         llw.QKClip(nn.ModuleDict({"first": first, "second": second}))
