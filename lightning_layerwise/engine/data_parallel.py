@@ -102,6 +102,7 @@ from .read_guard import ReadGuard
 from .release import release_wrapper
 from .sharded import ShardedParameterSync
 from .sharded_init import materialize_sharded, shard_bucket_by_bucket
+from .tensor_parallel import is_sharded, tensor_parallel_group
 from .waiter import CollectiveError, Waiter  # noqa: F401  CollectiveError: its import path since 0.1
 from .wrapper_setup import (broadcast_from_rank0, check_arguments, check_sharding, expert_buckets_by_layer,
                             layout_specs, materialize_device, param_records, plan_or_check_layout)
@@ -525,13 +526,19 @@ class LayerwiseDataParallel(nn.Module):
         all-gathers first.
         """
         group = self.process_groups.dp
-        if group is None:
+        across = tensor_parallel_group(self.module.parameters())
+        if group is None and across is None:
             return
         self.param_sync.finish()
         names = {p: n for n, p in self.module.named_parameters()}  # frozen ones too: never all-gathered
         if not self.param_sync.holds_whole:  # each rank holds its own shard of the rest: nothing to compare
             names = {p: n for p, n in names.items() if p not in self.records.names}
-        replica_check.check_replicas(names, group, self.records, self.expert_names, self.ranks.expert_parallel_size)
+        if group is not None:
+            replica_check.check_replicas(names, group, self.records, self.expert_names,
+                                         self.ranks.expert_parallel_size)
+        if across is not None:  # what every rank of a tensor-parallel group holds whole must be equal over it
+            replicated = {p: n for p, n in names.items() if not is_sharded(p)}
+            replica_check.check_replicas(replicated, across, self.records, (), 1, ranks="tensor-parallel rank")
 
     def release(self, wait: bool = True, whole: bool = True) -> nn.Module:
         """Waits for pending all-gathers, removes every hook and gives parameters their own storage.

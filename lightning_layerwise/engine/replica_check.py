@@ -39,11 +39,13 @@ _BIT_SUM_CHUNK = 1 << 22  # elements summed at once: bounds the int64 temporary
 
 
 def check_replicas(names: dict[nn.Parameter, str], group: dist.ProcessGroup, records: ParamRecords,
-                   experts: Collection[str], expert_parallel_size: int) -> None:
+                   experts: Collection[str], expert_parallel_size: int, ranks: str = "rank") -> None:
     """Raises :class:`ReplicaDivergenceError` on every rank of ``group`` unless all hold bitwise-equal parameters
     ``names`` (parameter -> name; Note [replica check]). Collective: every rank calls it at the same point, after
     the all-gathers. ``records`` name where each parameter in the layout lives; ``experts`` are the names of the
-    expert parameters, held alike within their expert data-parallel group only."""
+    expert parameters, held alike within their expert data-parallel group only. ``ranks`` names the group's ranks
+    in the error (under tensor parallelism the check runs over the data-parallel group, then over the
+    tensor-parallel group for the parameters its ranks all hold whole)."""
     if not names:
         return
     params = list(names)
@@ -61,7 +63,7 @@ def check_replicas(names: dict[nn.Parameter, str], group: dist.ProcessGroup, rec
     differs = mismatch.any(0).nonzero().flatten().tolist()
     if not differs:
         return
-    ranks = sorted({r for i in differs for r in range(gathered.size(0)) if mismatch[r, i]})
+    differing = sorted({r for i in differs for r in range(gathered.size(0)) if mismatch[r, i]})
     where = []
     for i in differs[:5]:
         record = records.of(params[i])
@@ -69,7 +71,7 @@ def check_replicas(names: dict[nn.Parameter, str], group: dist.ProcessGroup, rec
         where.append(f"{names[params[i]]!r} ({place})")
     raise ReplicaDivergenceError(
         f"ranks hold different parameters after the all-gather: {', '.join(where)}"
-        f"{' and more' if len(differs) > 5 else ''} differ between rank 0 and rank(s) {ranks}. Training stops "
+        f"{' and more' if len(differs) > 5 else ''} differ between {ranks} 0 and {ranks}(s) {differing}. Training stops "
         "here because the replicas would drift apart. Causes: a rank-local in-place write to a parameter (a "
         "hook or callback run on some ranks only), a frozen parameter set differently per rank, or a faulty "
         "device or link; resume from the last checkpoint."

@@ -171,6 +171,40 @@ def test_tensor_parallel_matches_one_process_with_late_collectives():
     assert_matches(run_distributed(_configs, 4, configs, late_ms=LATE_MS), configs)
 
 
+# --- the replica check ----------------------------------------------------------------------------------------------
+def _corrupted(rank: int, world: int, name: str) -> str:
+    """Trains a step at tensor-parallel 2, then changes ``name`` by one ulp on tensor-parallel rank 1 only; what the
+    replica check says."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2))
+    parallelize(model, session.device_mesh["tensor_parallel"])
+    opt = make_optimizer("muon", model)
+    wrapped = session.wrap(model, opt)
+    session.backward(wrapped.module.loss(batches(1, BATCH)[0]))
+    session.step(opt)
+    session.wrapper.check_replicas()  # equal after a step
+    if rank == 1:
+        with torch.no_grad():
+            param = dict(model.named_parameters())[name]
+            param.view(-1)[0] = torch.nextafter(param.view(-1)[0], torch.tensor(float("inf")))
+    try:
+        session.wrapper.check_replicas()
+        return "equal"
+    except llw.ReplicaDivergenceError as error:
+        return str(error)
+    finally:
+        session.release()
+
+
+def test_the_replica_check_compares_what_a_tensor_parallel_group_holds_whole():
+    """A replicated parameter (a norm) one ulp off on one rank of the group is found; shards differ by design."""
+    found = run_distributed(_corrupted, 2, "blocks.0.norm1.weight")
+    assert found[0] == found[1] and "'blocks.0.norm1.weight'" in found[0], found
+    assert "between tensor-parallel rank 0 and tensor-parallel rank(s) [1]" in found[0], found[0]
+    assert run_distributed(_corrupted, 2, "blocks.0.attn.q.weight") == ["equal", "equal"]
+
+
 # --- once in the world ----------------------------------------------------------------------------------------------
 def _count_orthogonalized(rank: int, world: int, duplicate: bool) -> list[list[tuple[int, ...]]]:
     """The shapes this rank orthogonalized in each step (``duplicate``: every rank orthogonalizes every matrix,
