@@ -77,7 +77,7 @@ class TensorParallelSpec:
     def shard_dim(self) -> Optional[int]:
         """The dimension sharded over the group, ``None`` where every rank holds the whole tensor."""
         placement = self.placements[0]
-        return placement.dim if placement.is_shard() else None
+        return placement.dim % len(self.shape) if placement.is_shard() else None
 
 
 
