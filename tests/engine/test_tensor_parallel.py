@@ -16,12 +16,13 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import lightning_layerwise as llw
 from lightning_layerwise.engine import tp_exchange
 from lightning_layerwise.engine.tensor_parallel import localize
 from lightning_layerwise.engine.wrapper_setup import layout_specs
-from tests._dist import LATE_MS, reference_threads, run_distributed
+from tests._dist import LATE_MS, counting_compiler, reference_threads, run_distributed
 from tests._tp_model import HEADS, WIDTH, TinyLM, batches, full_state, parallelize
 
 STEPS, BATCH, RTOL = 8, 8, 1e-5
@@ -210,6 +211,39 @@ def test_bf16_masters_under_tensor_parallelism_match_one_process_to_bf16_roundin
         assert all(got[n].dtype == torch.bfloat16 for n in got)
         for name in want:
             torch.testing.assert_close(got[name], results[0][0][name], rtol=0, atol=0)
+
+
+def _compiled(rank: int, world: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Tensor-parallel 2 alone, the wrapped module under ``torch.compile`` (a backend that runs each graph eagerly
+    and counts it); the full parameters after ``STEPS`` steps and the graphs compiled."""
+    backend, graphs = counting_compiler()
+    torch.manual_seed(0)
+    model = TinyLM()
+    session = llw.LayerwiseSession(llw.LayerwiseConfig(tensor_parallel_size=2))
+    parallelize(model, session.device_mesh["tensor_parallel"])
+    opt = make_optimizer("muon", model)
+    compiled = torch.compile(session.wrap(model, opt).module, backend=backend)
+    for tokens in batches(STEPS, BATCH):
+        logits = compiled(tokens[:, :-1])
+        session.backward(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)))
+        session.step(opt)
+        opt.zero_grad()
+    session.sync_parameters()
+    out = full_state(model)
+    session.release()
+    return out, len(graphs)
+
+
+def test_a_compiled_tensor_parallel_model_is_one_graph_and_matches_one_process():
+    """The module's attributes read as DTensors through its own dict of specs (Note [local parameters]), which
+    dynamo traces: the whole forward, DTensor's collectives included, is one graph, compiled once in 8 steps."""
+    results = run_distributed(_compiled, 2)
+    want = reference("muon", False)
+    for rank, (got, graphs) in enumerate(results):
+        assert graphs == 1, f"rank {rank}: {graphs} graphs"
+        for name, value in want.items():
+            err = ((got[name] - value).norm() / value.norm()).item()
+            assert err <= RTOL, f"rank {rank}: {name} differs by {err:.2e} relative"
 
 
 # --- the replica check ----------------------------------------------------------------------------------------------
