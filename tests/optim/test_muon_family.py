@@ -437,6 +437,18 @@ def test_logits_recorded_in_another_layout_than_the_declared_heads_are_refused()
     assert module.llw_max_logits.shape == (2,)
 
 
+def test_logits_of_part_of_the_heads_are_refused_where_the_weights_are_not_sharded():
+    """``record_attention_logits`` takes ``n_heads / w`` heads (a tensor-parallel rank's); ``QKClip`` then checks
+    ``w`` against the query weight's sharding, which here is none."""
+    module = llw.mark_attention(nn.Linear(8, 24), n_heads=2, head_dim=4, q="weight", k="weight", k_offset=8)
+    clip = llw.QKClip(module, tau=1.0)
+    q = k = torch.randn(3, 1, 5, 4)  # one of the two heads
+    llw.record_attention_logits(module, q, k)
+    with pytest.raises(ValueError, match=r"^QKClip: attention '' recorded the logits of 1 heads; it declares "
+                                         r"n_heads=2\. Pass record_attention_logits the q and k"):
+        clip.step()
+
+
 def test_rows_that_two_attentions_declare_are_refused():
     shared = nn.Linear(8, 24, bias=False)
     first, second = nn.Module(), nn.Module()
