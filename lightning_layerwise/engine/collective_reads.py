@@ -119,8 +119,12 @@ class FailureBoard:
             self.store.set(f"error/{index}", f"{self.rank}\n{message}")
             deadline = time.monotonic() + ACK_SECONDS
             while True:
+                # Every rank's mark first, then the errors posted: a rank raising at the same read posts its own
+                # error before it marks this one seen, so this rank sees that error too before it goes on
+                # (read the other way round, one posted in between was left for a later wait to raise).
+                acknowledged = self.store.add(f"seen/{index}", 0) >= self.world
                 self._see(self.store.add("errors", 0))  # also the errors other ranks post meanwhile
-                if self.store.add(f"seen/{index}", 0) >= self.world or time.monotonic() > deadline:
+                if acknowledged or time.monotonic() > deadline:
                     return
                 time.sleep(0.02)
         except RuntimeError:  # the store is gone (rank 0 ended; DistError is a RuntimeError): nothing to wait for

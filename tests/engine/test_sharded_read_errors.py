@@ -80,6 +80,38 @@ def _board_pair():
     return FailureBoard(store, 0, 2), FailureBoard(store, 1, 2)
 
 
+def test_a_rank_posting_sees_the_error_another_rank_posts_at_the_same_read_before_it_goes_on():
+    """Rank 1 posts first; rank 0, raising at the same read, posts its own error in the moment between rank 1
+    reading how many errors there are and finding its own seen by every rank. Rank 1 must count rank 0's error
+    as seen before its post returns: left unseen, a later wait of rank 1 (after a collective issued before the
+    read completed) raised it as another rank's failure (a run of the suite ended so)."""
+    import threading
+    import time
+
+    board0, board1 = _board_pair()
+    posted = threading.Event()
+
+    class RacingStore:  # rank 1's view of the store: rank 0 posts just as rank 1 first reads its acknowledgement
+        def __init__(self, store) -> None:
+            self.store, self.fired = store, False
+
+        def add(self, key, amount):
+            if key == "seen/1" and amount == 0 and not self.fired:
+                self.fired = True
+                threading.Thread(target=lambda: (board0.post("rank 0's read"), posted.set())).start()
+                while board0.seen < 2:  # rank 0 has posted and seen both errors
+                    time.sleep(0.001)
+            return self.store.add(key, amount)
+
+        def __getattr__(self, name):
+            return getattr(self.store, name)
+
+    board1.store = RacingStore(board1.store)
+    board1.post("rank 1's read")
+    assert posted.wait(10), "rank 0's post returned once rank 1 had seen its error"
+    assert board1.seen == 2 and board1.unseen() is None
+
+
 def test_ranks_that_each_raise_and_go_on_do_not_end_on_each_others_error():
     """Both ranks read outside the rules, each raises and catches it (Note [failing together]); rank 1 posts
     only after rank 0 has left its post (the order a loaded machine gives). Rank 0, waiting in the next
