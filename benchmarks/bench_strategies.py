@@ -461,33 +461,31 @@ class CommCounter:
 
     def _wrap_funcol(self, name, original):
         counter = self
-        signature = inspect.signature(original)
 
-        @functools.wraps(original)
-        def collective(*args, **kwargs):
-            local = counter._local
-            if getattr(local, "depth", 0):
-                return original(*args, **kwargs)
-            local.depth = 1
-            try:
-                out = original(*args, **kwargs)
-            finally:
-                local.depth = 0
-            bound = signature.bind_partial(*args, **kwargs).arguments
+        def count(bound, elapsed):
             key, n, ring = funcol_bytes(name, next(iter(bound.values()), None), bound.get("group"))
             counter.bytes[key] = counter.bytes.get(key, 0) + n
             counter.ring_bytes += ring
-            return out
 
-        return collective
+        return self._outermost(original, count)
 
     def _wrap(self, name, original, arg, factor):
         counter = self
-        signature = inspect.signature(original)
+
+        def count(bound, elapsed):
+            if not bound.get("async_op", False):
+                counter.blocked_s += elapsed
+            counter.add(name, bound.get(arg), factor(_world_size(bound.get("group"))))
+
+        return self._outermost(original, count)
+
+    def _outermost(self, original, count):
+        """``original``, counted by ``count(bound arguments, seconds)`` when called outside another counted
+        collective (one that calls another is counted once)."""
+        local, signature = self._local, inspect.signature(original)
 
         @functools.wraps(original)
         def collective(*args, **kwargs):
-            local = counter._local
             if getattr(local, "depth", 0):
                 return original(*args, **kwargs)
             local.depth = 1
@@ -496,10 +494,7 @@ class CommCounter:
                 out = original(*args, **kwargs)
             finally:
                 local.depth = 0
-            bound = signature.bind_partial(*args, **kwargs).arguments
-            if not bound.get("async_op", False):
-                counter.blocked_s += time.perf_counter() - t0
-            counter.add(name, bound.get(arg), factor(_world_size(bound.get("group"))))
+            count(signature.bind_partial(*args, **kwargs).arguments, time.perf_counter() - t0)
             return out
 
         return collective
