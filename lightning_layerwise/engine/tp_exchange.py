@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..optim.matrices import PLAIN, MatrixView, matrix_blocks, matrix_shapes
-from ..optim.muon import adjust_lr_scale, muon_update, normuon_parts
+from ..optim.muon import _second_moment_rows, adjust_lr_scale, muon_update, normuon_parts
 from ..optim.orthogonalization import orthogonalize
 from .tensor_parallel import TensorParallelSpec, spec_of
 
@@ -198,7 +198,7 @@ def muon_step_whole(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
                     part.copy_(O)
             if normuon:  # the state is updated here, and each block's scale taken, as one process would
                 scales = [normuon_parts(O, second_moments[i][start:stop], beta2, eps)[1]
-                          for O, (start, stop) in zip(outs, _state_rows(W.shape, view))]
+                          for O, (start, stop) in zip(outs, _second_moment_rows(matrix_shapes(W.shape, view)))]
                 extras.append(torch.cat([second_moments[i], torch.stack(scales)]))
         return updates, extras
 
@@ -218,15 +218,6 @@ def muon_step_whole(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
                 _apply(params[i], O, specs[i], view, lr, group["adjust_lr"], None)
 
 
-def _state_rows(shape: Sequence[int], view: MatrixView) -> list[tuple[int, int]]:
-    """``[start, stop)`` of each matrix's rows in a parameter's NorMuon state (as ``optim/muon.py`` lays it)."""
-    out, start = [], 0
-    for rows, _ in matrix_shapes(shape, view):
-        out.append((start, start + rows))
-        start += rows
-    return out
-
-
 def _local_blocks(spec: TensorParallelSpec, view: MatrixView, local_shape: Sequence[int]
                   ) -> list[tuple[int, slice, slice, int]]:
     """The part of each matrix of ``view`` (over the whole 2-D parameter) that this rank holds: ``(matrix, local
@@ -241,7 +232,7 @@ def _local_blocks(spec: TensorParallelSpec, view: MatrixView, local_shape: Seque
     out, start = [], 0
     for j, (rows, cols) in enumerate(matrix_shapes((M, N), view)):
         if view.split_dim == 0:  # block j: rows [start, start + rows), every column; its state rows are its rows
-            lo, hi, first = max(start, r0), min(start + rows, r1), start
+            lo, hi = max(start, r0), min(start + rows, r1)
             if lo < hi:
                 out.append((j, slice(lo - r0, hi - r0), slice(0, c1 - c0), lo))
             start += rows
